@@ -1,0 +1,50 @@
+// Argument checks for the CPU kernels. Messages follow specdec_ops/_checks.py:
+// op, argument name, what was expected; each raises a Python ValueError.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+
+namespace specdec {
+
+inline std::string dtype_name(at::ScalarType t) { return std::string(c10::toString(t)); }
+
+inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t ndim) {
+  TORCH_CHECK_VALUE(t.dim() == ndim, op, ": argument '", name, "' must be ", ndim, "-D, got shape ",
+                    t.sizes());
+}
+
+inline void check_int_dtype(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, ": argument '",
+                    name, "' must have dtype int32 or int64, got ", dtype_name(t.scalar_type()));
+}
+
+inline void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(t.scalar_type() == dtype, op, ": argument '", name, "' must have dtype ",
+                    dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
+}
+
+inline void check_cpu(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": argument '", name, "' is on ", t.device(),
+                    ", expected cpu like the other inputs");
+}
+
+inline void check_unit_stride(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.dim() == 0 || t.numel() <= 1 || t.stride(-1) == 1, op, ": argument '", name,
+                    "' must have a unit stride in its last dimension");
+}
+
+inline void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim,
+                       int64_t expected, const char* meaning) {
+  TORCH_CHECK_VALUE(t.size(dim) == expected, op, ": argument '", name, "' has size ", t.size(dim),
+                    " in dimension ", dim, ", expected ", expected, " (", meaning, "); shape ",
+                    t.sizes());
+}
+
+// Reads element i of a 1-D int32/int64 tensor as int64.
+inline int64_t load_int(const at::Tensor& t, int64_t i) {
+  return t.scalar_type() == at::kInt ? static_cast<int64_t>(t.const_data_ptr<int32_t>()[i])
+                                     : t.const_data_ptr<int64_t>()[i];
+}
+
+}  // namespace specdec

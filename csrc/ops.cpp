@@ -1,0 +1,63 @@
+// Schemas of every op in the `specdec` namespace, in one place.
+//
+// Each op's contract (shapes, dtypes, semantics) is documented in its Python
+// module under specdec_ops/; CPU kernels live in csrc/<family>.cpp, CUDA
+// kernels (Triton) and fake kernels in specdec_ops/<family>.py.
+#include <Python.h>
+#include <torch/library.h>
+
+// Lets `from specdec_ops import _C` load this library, which runs the
+// registrations below (the extension-cpp pattern).
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(specdec, m) {
+  // Draft step-0 input expansion (specdec_ops/prefill.py).
+  m.def(
+      "prepare_prefill(Tensor input_ids, Tensor positions, Tensor query_start_loc, Tensor seq_lens, "
+      "Tensor idx_mapping, Tensor last_sampled, Tensor num_rejected, int max_model_len, "
+      "int? max_num_reqs=None) -> (Tensor expanded_input_ids, Tensor expanded_positions, "
+      "Tensor last_token_indices, Tensor expanded_query_start_loc, Tensor expanded_seq_lens)");
+  m.def(
+      "prepare_prefill_into(Tensor input_ids, Tensor positions, Tensor query_start_loc, Tensor seq_lens, "
+      "Tensor idx_mapping, Tensor last_sampled, Tensor num_rejected, int max_model_len, "
+      "Tensor(a!) expanded_input_ids, Tensor(b!) expanded_positions, Tensor(c!) last_token_indices, "
+      "Tensor(d!) expanded_query_start_loc, Tensor(e!) expanded_seq_lens) -> ()");
+
+  // Verified-token formatting (specdec_ops/output.py).
+  m.def(
+      "create_output(Tensor accepted, Tensor substitute_token_ids, Tensor draft_token_ids, "
+      "Tensor bonus_token_ids) -> Tensor");
+  m.def(
+      "create_output.counted(Tensor accepted, Tensor substitute_token_ids, Tensor draft_token_ids, "
+      "Tensor bonus_token_ids, Tensor(a!) counters) -> Tensor");
+
+  // Verification samplers and draft sampling (specdec_ops/sampling.py).
+  m.def(
+      "rejection_sample(Tensor target_probs, Tensor draft_token_ids, Tensor? draft_probs, Tensor seeds, "
+      "Tensor offsets, Tensor? bonus_token_ids=None) -> Tensor");
+  m.def(
+      "rejection_sample.counted(Tensor target_probs, Tensor draft_token_ids, Tensor? draft_probs, "
+      "Tensor seeds, Tensor offsets, Tensor? bonus_token_ids, Tensor(a!) counters) -> Tensor");
+  m.def("greedy_verify(Tensor target_logits, Tensor draft_token_ids) -> Tensor");
+  m.def("greedy_verify.counted(Tensor target_logits, Tensor draft_token_ids, Tensor(a!) counters) -> Tensor");
+  m.def(
+      "typical_acceptance(Tensor target_probs, Tensor draft_token_ids, float posterior_threshold=0.09, "
+      "float posterior_alpha=0.3) -> Tensor");
+  m.def(
+      "typical_acceptance.counted(Tensor target_probs, Tensor draft_token_ids, float posterior_threshold, "
+      "float posterior_alpha, Tensor(a!) counters) -> Tensor");
+  m.def("sample_draft(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions) -> Tensor");
+  m.def(
+      "sample_draft.with_probs(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions, "
+      "Tensor(a!) probs) -> Tensor");
+
+  // One decode step of the draft loop (specdec_ops/draft_step.py).
+  m.def(
+      "advance_draft_step(Tensor sampled_token_ids, Tensor positions, Tensor seq_lens, int max_model_len) "
+      "-> (Tensor input_ids, Tensor next_positions, Tensor next_seq_lens)");
+}

@@ -1,0 +1,32 @@
+"""Builds specdec_ops._C (op schemas and CPU kernels) from csrc/.
+
+CUDA kernels are Triton, compiled at run time, so the extension itself is a
+plain C++ build: `pip install --no-build-isolation -e .` works on CPU-only and
+GPU machines alike.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+here = os.path.dirname(os.path.abspath(__file__))
+sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+
+setup(
+    name="specdec_ops",
+    version="0.1.0",
+    description="Speculative-decoding building blocks as PyTorch custom ops",
+    packages=find_packages(include=["specdec_ops", "specdec_ops.*"]),
+    ext_modules=[
+        CppExtension(
+            "specdec_ops._C",
+            sources,
+            extra_compile_args={"cxx": ["-O3", "-std=c++17"]},
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11"],
+    extras_require={"cuda": ["triton>=3.6"], "test": ["pytest", "numpy", "scipy"]},
+)

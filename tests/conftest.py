@@ -1,0 +1,30 @@
+"""Test setup: on a machine without CUDA, Triton kernels run in the interpreter.
+
+TRITON_INTERPRET must be set before triton is imported, so this runs first.
+Kernel tests reach the Triton launchers directly (`_..._triton` functions)
+with CPU tensors there; on a GPU they reach them through the dispatcher.
+"""
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import specdec_ops  # noqa: E402,F401
+from specdec_ops._triton import HAS_TRITON  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu_check.sh on the H200)")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+
+
+@pytest.fixture
+def cuda_device():
+    return torch.device("cuda")
