@@ -36,13 +36,19 @@ TORCH_LIBRARY(specdec, m) {
       "create_output.counted(Tensor accepted, Tensor substitute_token_ids, Tensor draft_token_ids, "
       "Tensor bonus_token_ids, Tensor(a!) counters) -> Tensor");
 
-  // Verification samplers and draft sampling (specdec_ops/sampling.py).
+  // Lossless rejection sampling and seeded draft sampling (specdec_ops/sampling.py).
   m.def(
       "rejection_sample(Tensor target_probs, Tensor draft_token_ids, Tensor? draft_probs, Tensor seeds, "
       "Tensor offsets, Tensor? bonus_token_ids=None) -> Tensor");
   m.def(
       "rejection_sample.counted(Tensor target_probs, Tensor draft_token_ids, Tensor? draft_probs, "
       "Tensor seeds, Tensor offsets, Tensor? bonus_token_ids, Tensor(a!) counters) -> Tensor");
+  m.def("sample_draft(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions) -> Tensor");
+  m.def(
+      "sample_draft.with_probs(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions, "
+      "Tensor(a!) probs) -> Tensor");
+
+  // Deterministic verification (specdec_ops/verify.py).
   m.def("greedy_verify(Tensor target_logits, Tensor draft_token_ids) -> Tensor");
   m.def("greedy_verify.counted(Tensor target_logits, Tensor draft_token_ids, Tensor(a!) counters) -> Tensor");
   m.def(
@@ -51,10 +57,6 @@ TORCH_LIBRARY(specdec, m) {
   m.def(
       "typical_acceptance.counted(Tensor target_probs, Tensor draft_token_ids, float posterior_threshold, "
       "float posterior_alpha, Tensor(a!) counters) -> Tensor");
-  m.def("sample_draft(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions) -> Tensor");
-  m.def(
-      "sample_draft.with_probs(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions, "
-      "Tensor(a!) probs) -> Tensor");
 
   // One decode step of the draft loop (specdec_ops/draft_step.py).
   m.def(
