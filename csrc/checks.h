@@ -7,7 +7,22 @@
 
 namespace specdec {
 
-inline std::string dtype_name(at::ScalarType t) { return std::string(c10::toString(t)); }
+// The name Python users know a dtype by (torch.int64 -> "int64").
+inline std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kBool: return "bool";
+    case at::kByte: return "uint8";
+    case at::kChar: return "int8";
+    case at::kShort: return "int16";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    default: return std::string(c10::toString(t));
+  }
+}
 
 inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t ndim) {
   TORCH_CHECK_VALUE(t.dim() == ndim, op, ": argument '", name, "' must be ", ndim, "-D, got shape ",

@@ -1,0 +1,147 @@
+"""Benchmark of the seed ops: prepare_prefill and create_output (H200; needs CUDA).
+
+For num_reqs (or B) in 1, 8, 64, 256, 1024 with k = 4, reports per call:
+- eager: host wall time of a Python loop of calls (dispatch + launch included), after a sync;
+- graph: GPU time from replaying a CUDA graph that holds 100 calls, timed with CUDA events;
+for each op and for a plain-PyTorch formulation of it (vectorized torch ops, no custom kernel).
+
+    python scripts/bench_ops.py [--quick]
+"""
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import specdec_ops
+
+CALLS_PER_GRAPH = 100
+
+
+def prepare_prefill_torch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
+                          max_model_len, max_num_reqs):
+    """prepare_prefill in plain torch ops (no host sync), the way an engine would write it without a kernel."""
+    num_tokens, num_reqs = input_ids.shape[0], seq_lens.shape[0]
+    total = num_tokens + num_reqs
+    device = input_ids.device
+    out_start = query_start_loc[:-1] + torch.arange(num_reqs, device=device, dtype=query_start_loc.dtype)
+    slots = torch.arange(total, device=device)
+    req = torch.searchsorted(out_start, slots, right=True) - 1
+    offset = slots - out_start[req]
+    query_len = (query_start_loc[1:] - query_start_loc[:-1])[req]
+    num_valid = query_len - num_rejected[req]
+    src = (query_start_loc[:-1][req] + offset).clamp(max=num_tokens - 1)
+    ids = torch.where(offset < num_valid, input_ids[src],
+                      torch.where(offset == num_valid, last_sampled[idx_mapping[req]].to(input_ids.dtype), 0))
+    pos = (positions[query_start_loc[:-1][req]] + offset).clamp(max=max_model_len - 1)
+    last = torch.zeros(max_num_reqs, dtype=torch.int64, device=device)
+    last[:num_reqs] = out_start + (query_start_loc[1:] - query_start_loc[:-1]) - num_rejected
+    qsl = torch.full((max_num_reqs + 1,), total, dtype=torch.int32, device=device)
+    qsl[:num_reqs] = out_start
+    lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+    lens[:num_reqs] = (seq_lens + 1).clamp(max=max_model_len)
+    return ids, pos, last, qsl, lens
+
+
+def make_prefill_batch(num_reqs, k, device):
+    """A decode-round batch: each request verified k drafts plus its previous token (query_len = k + 1)."""
+    query_len = k + 1
+    num_tokens = num_reqs * query_len
+    gen = torch.Generator().manual_seed(num_reqs)
+    start = torch.randint(0, 2000, (num_reqs,), generator=gen)
+    return dict(
+        input_ids=torch.randint(0, 32000, (num_tokens,), generator=gen, dtype=torch.int32).to(device),
+        positions=(start[:, None] + torch.arange(query_len)).flatten().to(device),
+        query_start_loc=(torch.arange(num_reqs + 1) * query_len).to(torch.int32).to(device),
+        seq_lens=(start + query_len).to(torch.int32).to(device),
+        idx_mapping=torch.randperm(num_reqs, generator=gen).to(torch.int32).to(device),
+        last_sampled=torch.randint(0, 32000, (num_reqs,), generator=gen).to(device),
+        num_rejected=torch.randint(0, k + 1, (num_reqs,), generator=gen, dtype=torch.int32).to(device),
+        max_model_len=4096,
+    )
+
+
+def make_verified(batch, k, device):
+    gen = torch.Generator().manual_seed(batch)
+    accepted = torch.rand(batch, k, generator=gen) < 0.7
+    draft = torch.randint(0, 32000, (batch, k), generator=gen)
+    substitute = torch.randint(0, 32000, (batch, k), generator=gen)
+    bonus = torch.randint(0, 32000, (batch, 1), generator=gen)
+    return [t.to(device) for t in (accepted, substitute, draft, bonus)]
+
+
+def eager_us(fn, iters):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / iters * 1e6)
+    return statistics.median(samples)
+
+
+def graph_us(fn, replays):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS_PER_GRAPH):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(replays):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
+    return statistics.median(samples)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (smoke run)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_ops.py needs a CUDA device; nothing measured.")
+        return 0
+    sizes = [1, 64] if args.quick else [1, 8, 64, 256, 1024]
+    iters, replays = (50, 5) if args.quick else (500, 20)
+    k, device = 4, "cuda"
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"triton {__import__('triton').__version__} | k = {k}\n")
+    print("| op | num_reqs / B | kernel eager us | kernel graph us | torch eager us | torch graph us |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for num_reqs in sizes:
+        batch = make_prefill_batch(num_reqs, k, device)
+        max_num_reqs = num_reqs
+        kernel = lambda: torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=max_num_reqs)  # noqa: E731
+        baseline = lambda: prepare_prefill_torch(**batch, max_num_reqs=max_num_reqs)  # noqa: E731
+        for got, want in zip(kernel(), baseline()):
+            assert torch.equal(got, want), "torch baseline disagrees with the kernel"
+        print(f"| prepare_prefill | {num_reqs} | {eager_us(kernel, iters):.1f} | {graph_us(kernel, replays):.2f} | "
+              f"{eager_us(baseline, iters):.1f} | {graph_us(baseline, replays):.2f} |")
+    for batch_size in sizes:
+        verified = make_verified(batch_size, k, device)
+        counters = torch.zeros(3, dtype=torch.int64, device=device)
+        kernel = lambda: specdec_ops.create_output(*verified, counters=counters)  # noqa: E731
+        baseline = lambda: specdec_ops.create_output_reference(*verified, counters=counters)  # noqa: E731
+        assert torch.equal(kernel(), baseline())
+        print(f"| create_output | {batch_size} | {eager_us(kernel, iters):.1f} | {graph_us(kernel, replays):.2f} | "
+              f"{eager_us(baseline, iters):.1f} | {graph_us(baseline, replays):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

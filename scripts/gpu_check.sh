@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# GPU check for the H200 (run through the device tool from the repo root):
+#   bash scripts/gpu_check.sh [tests|bench|all]
+# Builds the extension, runs the whole test suite on CUDA (GPU tests included)
+# and the benchmarks, and prints a short summary. Logs go to $OUT when set.
+set -uo pipefail
+stage=${1:-all}
+out=${OUT:-/tmp/gpu_check}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+python3 -c 'import torch, triton; print("torch", torch.__version__, "| triton", triton.__version__, "|", torch.cuda.get_device_name())'
+python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+
+summary=()
+if [[ $stage == tests || $stage == all ]]; then
+  # -p no:cacheprovider: the tree may be read-only for caches; xdist spreads the CPU-heavy tests.
+  python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests >"$out/tests.log" 2>&1
+  rc=$?
+  tail -25 "$out/tests.log"
+  summary+=("tests (all, CUDA included): rc=$rc, $(tail -1 "$out/tests.log")")
+fi
+if [[ $stage == bench || $stage == all ]]; then
+  for bench in scripts/bench_ops.py scripts/bench_samplers.py scripts/bench_verify.py scripts/bench_propose.py; do
+    [[ -f $bench ]] || continue
+    name=$(basename "$bench" .py)
+    timeout 300 python3 "$bench" ${BENCH_ARGS:-} >"$out/$name.md" 2>&1
+    rc=$?
+    cat "$out/$name.md"
+    summary+=("$name: rc=$rc")
+  done
+fi
+echo
+echo "== summary =="
+printf '%s\n' "${summary[@]}"

@@ -1,0 +1,262 @@
+"""specdec::create_output against the reference, and both seed ops under torch.compile."""
+import pytest
+import torch
+
+import specdec_ops
+from specdec_ops import output
+from specdec_ops._triton import HAS_TRITON
+
+from conftest import HAS_CUDA
+from test_prefill import make_batch
+
+
+def make_verified(seed, batch, k, *, token_dtype=torch.int64, substitute_dtype=None, accepted_dtype=torch.bool,
+                  bonus_2d=True, pattern="random"):
+    gen = torch.Generator().manual_seed(seed)
+    if pattern == "random":  # non-causal: True after a False must be ignored
+        accepted = torch.rand(batch, k, generator=gen) < 0.7
+    elif pattern == "all":
+        accepted = torch.ones(batch, k, dtype=torch.bool)
+    elif pattern == "none":
+        accepted = torch.zeros(batch, k, dtype=torch.bool)
+    else:  # causal prefix of random length
+        lengths = torch.randint(0, k + 1, (batch, 1), generator=gen)
+        accepted = torch.arange(k)[None] < lengths
+    if accepted_dtype != torch.bool:
+        # nonzero means accepted: use values other than 1 as well
+        accepted = accepted.to(accepted_dtype) * torch.randint(1, 3, (batch, k), generator=gen).to(accepted_dtype)
+    draft = torch.randint(0, 32000, (batch, k), generator=gen, dtype=torch.int64).to(token_dtype)
+    substitute = torch.randint(0, 32000, (batch, k), generator=gen, dtype=torch.int64)
+    substitute = substitute.to(substitute_dtype or token_dtype)
+    bonus = torch.randint(0, 32000, (batch, 1) if bonus_2d else (batch,), generator=gen, dtype=torch.int64)
+    return accepted, substitute, draft, bonus.to(token_dtype)
+
+
+def run_cpp(*args, counters=None):
+    return specdec_ops.create_output(*args, counters=counters)
+
+
+def run_triton(*args, counters=None):
+    if HAS_CUDA:
+        cuda_args = [a.cuda() for a in args]
+        if counters is None:
+            return specdec_ops.create_output(*cuda_args).cpu()
+        cuda_counters = counters.cuda()
+        out = specdec_ops.create_output(*cuda_args, counters=cuda_counters).cpu()
+        counters.copy_(cuda_counters.cpu())
+        return out
+    if counters is None:
+        return output._create_output_triton(*args)
+    return output._create_output_counted_triton(*args, counters)
+
+
+KERNELS = [pytest.param(run_cpp, id="cpp")]
+if HAS_TRITON:
+    KERNELS.append(pytest.param(run_triton, id="triton"))
+
+
+def check(kernel, args):
+    expected_counters = torch.tensor([3, 5, 7])
+    expected = specdec_ops.create_output_reference(*args, counters=expected_counters)
+    counters = torch.tensor([3, 5, 7])
+    actual = kernel(*args, counters=counters)
+    assert actual.dtype == args[2].dtype
+    assert torch.equal(actual, expected), f"\n{actual}\n!=\n{expected}"
+    assert torch.equal(counters, expected_counters)
+    assert torch.equal(kernel(*args), expected)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("batch", [0, 1, 7, 300])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 7, 8])
+def test_matches_reference(kernel, batch, k):
+    for seed in range(3):
+        check(kernel, make_verified(seed * 7 + k, batch, k))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("pattern", ["all", "none", "causal"])
+def test_accept_patterns(kernel, pattern):
+    check(kernel, make_verified(1, 65, 5, pattern=pattern))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        dict(token_dtype=torch.int32),
+        dict(token_dtype=torch.int64, substitute_dtype=torch.int32),
+        dict(token_dtype=torch.int32, accepted_dtype=torch.int64, bonus_2d=False),
+        dict(token_dtype=torch.int64, accepted_dtype=torch.uint8),
+        dict(token_dtype=torch.int64, accepted_dtype=torch.int32),
+    ],
+    ids=["int32", "int32-substitute", "int64-accepted", "uint8-accepted", "int32-accepted"],
+)
+def test_every_allowed_dtype(kernel, dtypes):
+    check(kernel, make_verified(2, 33, 4, **dtypes))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_strided_inputs(kernel):
+    accepted, substitute, draft, bonus = make_verified(3, 20, 6)
+    # Row-strided views, as slices of wider buffers are.
+    wide = lambda t: torch.cat([t, t], dim=1)[:, : t.shape[1]]  # noqa: E731
+    check(kernel, (wide(accepted), wide(substitute), wide(draft), bonus))
+
+
+def test_known_rows():
+    accepted = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 1, 1], [1, 0, 1]], dtype=torch.bool)
+    draft = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, -1]])
+    substitute = draft + 100
+    bonus = torch.tensor([50, 51, 52, 53])
+    counters = torch.zeros(3, dtype=torch.int64)
+    out = specdec_ops.create_output(accepted, substitute, draft, bonus, counters=counters)
+    assert out.tolist() == [[1, 2, 103, -1], [4, 5, 6, 51], [107, -1, -1, -1], [10, 111, -1, -1]]
+    assert counters.tolist() == [2 + 3 + 2 + 2, 3 + 4 + 1 + 2, 12]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_accepted_minus_one_draft_emits_no_bonus(kernel):
+    # As in the seed: the bonus goes out only when the last draft column holds a token other than -1.
+    accepted = torch.ones(2, 2, dtype=torch.bool)
+    draft = torch.tensor([[5, -1], [5, 6]])
+    args = (accepted, draft + 1, draft, torch.tensor([[9], [9]]))
+    check(kernel, args)
+    assert kernel(*args).tolist() == [[5, -1, -1], [5, 6, 9]]
+
+
+BAD_INPUTS = [
+    ("accepted", lambda a: a.__setitem__(0, a[0].float()), "dtype"),
+    ("accepted", lambda a: a.__setitem__(0, a[0][:, :-1]), "size"),
+    ("substitute_token_ids", lambda a: a.__setitem__(1, a[1][:-1]), "size"),
+    ("draft_token_ids", lambda a: a.__setitem__(2, a[2][0]), "2-D"),
+    ("draft_token_ids", lambda a: a.__setitem__(2, a[2].to(torch.int16)), "dtype"),
+    ("bonus_token_ids", lambda a: a.__setitem__(3, torch.zeros(5, 2, dtype=torch.int64)), r"\[B, 1\] or \[B\]"),
+    ("bonus_token_ids", lambda a: a.__setitem__(3, a[3][:-1]), "size"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,message", BAD_INPUTS, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD_INPUTS)])
+def test_bad_inputs_raise_clear_errors(name, mutate, message):
+    args = list(make_verified(4, 5, 3))
+    mutate(args)
+    with pytest.raises(ValueError, match=f"'{name}'.*{message}"):
+        specdec_ops.create_output(*args)
+    meta = [a.to("meta") for a in args]
+    with pytest.raises(ValueError, match=f"'{name}'.*{message}"):
+        specdec_ops.create_output(*meta)
+
+
+def test_bad_counters_raise_clear_errors():
+    args = make_verified(5, 5, 3)
+    for counters in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="'counters'"):
+            specdec_ops.create_output(*args, counters=counters)
+        with pytest.raises(ValueError, match="'counters'"):
+            specdec_ops.create_output(*[a.to("meta") for a in args], counters=counters.to("meta"))
+
+
+def test_zero_columns_rejected():
+    args = make_verified(6, 3, 1)
+    args = [a[:, :0] if a.dim() == 2 and i < 3 else a for i, a in enumerate(args)]
+    with pytest.raises(ValueError, match="'draft_token_ids'.*k >= 1"):
+        specdec_ops.create_output(*args)
+
+
+@pytest.mark.parametrize("batch", [0, 6])
+def test_opcheck(batch):
+    args = make_verified(7, batch, 4)
+    torch.library.opcheck(torch.ops.specdec.create_output.default, args)
+    torch.library.opcheck(torch.ops.specdec.create_output.counted, (*args, torch.zeros(3, dtype=torch.int64)))
+
+
+def seed_ops_pipeline(batch, verified, counters):
+    """prepare_prefill -> create_output, chained as a draft/verify round would chain them."""
+    prefill_out = specdec_ops.prepare_prefill(**batch, max_num_reqs=batch["seq_lens"].shape[0] + 2)
+    accepted, substitute, draft, bonus = verified
+    # Feed a prefill output into verification so the graph depends on both ops.
+    draft = draft + prefill_out.last_token_indices[: draft.shape[0], None]
+    tokens = specdec_ops.create_output(accepted, substitute, draft, bonus, counters=counters)
+    return prefill_out, tokens
+
+
+def test_compile_fullgraph_equals_eager():
+    batch = make_batch(8, 6)
+    verified = make_verified(8, 6, 4)
+    eager_counters = torch.zeros(3, dtype=torch.int64)
+    compiled_counters = torch.zeros(3, dtype=torch.int64)
+    eager = seed_ops_pipeline(batch, verified, eager_counters)
+    compiled = torch.compile(seed_ops_pipeline, fullgraph=True)(batch, verified, compiled_counters)
+    for a, e in zip(compiled[0], eager[0]):
+        assert torch.equal(a, e)
+    assert torch.equal(compiled[1], eager[1])
+    assert torch.equal(compiled_counters, eager_counters)
+    assert int(eager_counters[2]) == 6 * 4
+
+
+# --- CUDA ------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 64, 1024, 5000])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_cuda_matches_reference(batch, k):
+    args = make_verified(batch + k, batch, k)
+    cuda_counters = torch.zeros(3, dtype=torch.int64, device="cuda")
+    out = specdec_ops.create_output(*[a.cuda() for a in args], counters=cuda_counters)
+    expected_counters = torch.zeros(3, dtype=torch.int64)
+    expected = specdec_ops.create_output_reference(*args, counters=expected_counters)
+    assert torch.equal(out.cpu(), expected)
+    assert torch.equal(cuda_counters.cpu(), expected_counters)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_replay_and_no_sync():
+    static = [a.cuda() for a in make_verified(9, 64, 4)]
+    counters = torch.zeros(3, dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        specdec_ops.create_output(*static, counters=counters)
+    torch.cuda.current_stream().wait_stream(stream)
+    counters.zero_()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = specdec_ops.create_output(*static, counters=counters)
+    expected_counters = torch.zeros(3, dtype=torch.int64)
+    for seed in range(3):
+        fresh = make_verified(10 + seed, 64, 4, pattern="random" if seed else "causal")
+        for s, f in zip(static, fresh):
+            s.copy_(f)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        expected = specdec_ops.create_output_reference(*fresh, counters=expected_counters)
+        assert torch.equal(out.cpu(), expected)
+        assert torch.equal(counters.cpu(), expected_counters)
+
+
+@pytest.mark.cuda
+def test_cuda_reduce_overhead_has_no_cudagraph_skips():
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    torch._dynamo.reset()
+    dynamo_counters.clear()
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_batch(12, 6).items()}
+    verified = [a.cuda() for a in make_verified(12, 6, 4)]
+    stats = torch.zeros(3, dtype=torch.int64, device="cuda")
+    # A mutated graph input must have a static address for CUDA graphs (engines keep such buffers persistent).
+    torch._dynamo.mark_static_address(stats)
+    compiled = torch.compile(seed_ops_pipeline, mode="reduce-overhead", fullgraph=True)
+    for step in range(4):
+        prefill_out, tokens = compiled(batch, verified, stats)
+        eager_prefill, eager_tokens = seed_ops_pipeline(batch, verified, torch.zeros(3, dtype=torch.int64,
+                                                                                      device="cuda"))
+        assert torch.equal(tokens, eager_tokens)
+        for a, e in zip(prefill_out, eager_prefill):
+            assert torch.equal(a, e)
+        verified[0].copy_(torch.rand(6, 4, device="cuda") < 0.5)  # new values, same graph
+    assert dynamo_counters["inductor"]["cudagraph_skips"] == 0
+    assert int(stats[2]) == 4 * 6 * 4

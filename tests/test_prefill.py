@@ -1,0 +1,378 @@
+"""specdec::prepare_prefill and prepare_prefill_into against the reference."""
+import random
+
+import pytest
+import torch
+
+import specdec_ops
+from specdec_ops import prefill
+from specdec_ops._triton import HAS_TRITON
+
+from conftest import HAS_CUDA
+
+
+def make_batch(seed, num_reqs, *, max_query_len=9, long_query=False, max_model_len=4096, num_slots=None,
+               ids_dtype=torch.int32, pos_dtype=torch.int64, qsl_dtype=torch.int32, misc_dtype=torch.int32,
+               last_dtype=torch.int64, rejected_dtype=torch.int32, num_tokens=None, device="cpu"):
+    """A random target batch: query lengths, rejections, slot permutation, positions near max_model_len.
+
+    With num_tokens, the token batch is padded to that length past the last request.
+    """
+    gen = random.Random(seed)
+    query_lens = [gen.randint(1, max_query_len) for _ in range(num_reqs)]
+    if long_query and num_reqs:
+        query_lens[gen.randrange(num_reqs)] = gen.randint(1000, 3000)  # a whole prompt as draft prefill
+    pad_tokens = 0 if num_tokens is None else num_tokens - sum(query_lens)
+    assert pad_tokens >= 0
+    num_tokens = sum(query_lens)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    num_slots = num_slots or num_reqs + gen.randint(0, 5)
+    idx_mapping = gen.sample(range(max(num_slots, 1)), num_reqs)
+    positions, seq_lens = [], []
+    for q in query_lens:
+        # Some requests run into max_model_len so that clamping is exercised.
+        start = gen.choice([0, gen.randint(0, max_model_len - 1), max_model_len - gen.randint(1, q + 2)])
+        start = max(start, 0)
+        positions.extend(range(start, start + q))
+        seq_lens.append(start + q)
+    num_rejected = [gen.randint(0, q) for q in query_lens]
+    def t(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+    return dict(
+        input_ids=t([gen.randint(0, 50000) for _ in range(num_tokens + pad_tokens)], ids_dtype),
+        positions=t(positions + [0] * pad_tokens, pos_dtype),
+        query_start_loc=t(qsl, qsl_dtype),
+        seq_lens=t(seq_lens, misc_dtype),
+        idx_mapping=t(idx_mapping, misc_dtype),
+        last_sampled=t([gen.randint(0, 50000) for _ in range(max(num_slots, 1))], last_dtype),
+        num_rejected=t(num_rejected, rejected_dtype),
+        max_model_len=max_model_len,
+    )
+
+
+def to_cuda(batch):
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def run_cpu(batch, max_num_reqs=None):
+    return prefill.PrefillInputs(*torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=max_num_reqs))
+
+
+def run_triton(batch, max_num_reqs=None):
+    if HAS_CUDA:  # through the dispatcher, as users call it
+        out = torch.ops.specdec.prepare_prefill(**to_cuda(batch), max_num_reqs=max_num_reqs)
+        return prefill.PrefillInputs(*(o.cpu() for o in out))
+    return prefill.PrefillInputs(*prefill._prepare_prefill_triton(**batch, max_num_reqs=max_num_reqs))
+
+
+KERNELS = [pytest.param(run_cpu, id="cpp")]
+if HAS_TRITON:
+    KERNELS.append(pytest.param(run_triton, id="triton"))
+
+
+def assert_same(actual, expected):
+    for name, a, e in zip(prefill.PrefillInputs._fields, actual, expected):
+        assert a.dtype == e.dtype, name
+        assert torch.equal(a, e), f"{name}:\n{a}\n!=\n{e}"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("num_reqs", [0, 1, 2, 7, 33])
+@pytest.mark.parametrize("seed", range(4))
+def test_matches_reference(kernel, num_reqs, seed):
+    batch = make_batch(seed * 100 + num_reqs, num_reqs)
+    assert_same(kernel(batch), specdec_ops.prepare_prefill_reference(**batch))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        dict(ids_dtype=torch.int64, pos_dtype=torch.int32, qsl_dtype=torch.int64, misc_dtype=torch.int64,
+             last_dtype=torch.int32, rejected_dtype=torch.int64),
+        dict(ids_dtype=torch.int32, pos_dtype=torch.int64, qsl_dtype=torch.int32, misc_dtype=torch.int32,
+             last_dtype=torch.int32, rejected_dtype=torch.int64),
+    ],
+    ids=["int64-mostly", "mixed"],
+)
+def test_every_int_dtype(kernel, dtypes):
+    batch = make_batch(5, 9, **dtypes)
+    assert_same(kernel(batch), specdec_ops.prepare_prefill_reference(**batch))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("max_num_reqs_extra", [1, 5, 300])
+def test_padding_rows_past_num_reqs(kernel, max_num_reqs_extra):
+    batch = make_batch(11, 6)
+    out = kernel(batch, max_num_reqs=6 + max_num_reqs_extra)
+    assert_same(out, specdec_ops.prepare_prefill_reference(**batch, max_num_reqs=6 + max_num_reqs_extra))
+    total = batch["input_ids"].shape[0] + 6
+    assert (out.expanded_query_start_loc[6:] == total).all()
+    assert (out.expanded_seq_lens[6:] == 0).all() and (out.last_token_indices[6:] == 0).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_long_queries(kernel):
+    # Query lengths of 1000-3000 tokens: the draft prefill of a whole prompt.
+    batch = make_batch(21, 5, long_query=True)
+    assert_same(kernel(batch), specdec_ops.prepare_prefill_reference(**batch))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_many_requests(kernel):
+    batch = make_batch(22, 1024, max_query_len=5)
+    assert_same(kernel(batch), specdec_ops.prepare_prefill_reference(**batch))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_token_batch_padded_past_requests(kernel):
+    # CUDA-graph engines pad the token batch: slots past the last request hold token 0 at position 0.
+    batch = make_batch(23, 4, max_query_len=5, num_tokens=33)
+    out = kernel(batch)
+    assert_same(out, specdec_ops.prepare_prefill_reference(**batch))
+    used = int(batch["query_start_loc"][-1]) + 4
+    assert used < 33 + 4
+    assert (out.expanded_input_ids[used:] == 0).all() and (out.expanded_positions[used:] == 0).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_clamps_to_max_model_len(kernel):
+    batch = make_batch(24, 3, max_model_len=16, max_query_len=6)
+    batch["positions"] = torch.arange(batch["positions"].shape[0]) + 10
+    batch["seq_lens"] = torch.full((3,), 16, dtype=torch.int32)
+    out = kernel(batch)
+    assert_same(out, specdec_ops.prepare_prefill_reference(**batch))
+    assert int(out.expanded_positions.max()) == 15
+    assert (out.expanded_seq_lens == 16).all()
+
+
+def test_known_layout():
+    # Two requests: 3 tokens with 1 rejected, 2 tokens with none rejected.
+    out = specdec_ops.prepare_prefill(
+        input_ids=torch.tensor([10, 11, 12, 20, 21], dtype=torch.int32),
+        positions=torch.tensor([5, 6, 7, 0, 1]),
+        query_start_loc=torch.tensor([0, 3, 5], dtype=torch.int32),
+        seq_lens=torch.tensor([8, 2], dtype=torch.int32),
+        idx_mapping=torch.tensor([1, 0], dtype=torch.int32),
+        last_sampled=torch.tensor([100, 101]),
+        num_rejected=torch.tensor([1, 0], dtype=torch.int32),
+        max_model_len=64,
+        max_num_reqs=3,
+    )
+    assert out.expanded_input_ids.tolist() == [10, 11, 101, 0, 20, 21, 100]
+    assert out.expanded_positions.tolist() == [5, 6, 7, 8, 0, 1, 2]
+    assert out.last_token_indices.tolist() == [2, 6, 0]
+    assert out.expanded_query_start_loc.tolist() == [0, 4, 7, 7]
+    assert out.expanded_seq_lens.tolist() == [9, 3, 0]
+
+
+def run_into_cpu(batch, buffers):
+    torch.ops.specdec.prepare_prefill_into(**batch, **buffers)
+
+
+def run_into_triton(batch, buffers):
+    prefill._prepare_prefill_into_triton(*batch.values(), *buffers.values())
+
+
+INTO_KERNELS = [pytest.param(run_into_cpu, id="cpp")]
+if HAS_TRITON and not HAS_CUDA:
+    INTO_KERNELS.append(pytest.param(run_into_triton, id="triton"))
+
+
+@pytest.mark.parametrize("kernel", INTO_KERNELS)
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_into_persistent_buffers(kernel, ids_dtype):
+    batch = make_batch(31, 5)
+    max_num_reqs, max_tokens = 8, 200
+    sentinel = -7
+    buffers = dict(
+        expanded_input_ids=torch.full((max_tokens,), sentinel, dtype=ids_dtype),
+        expanded_positions=torch.full((max_tokens,), sentinel, dtype=torch.int64),
+        last_token_indices=torch.full((max_num_reqs,), sentinel, dtype=torch.int64),
+        expanded_query_start_loc=torch.full((max_num_reqs + 1,), sentinel, dtype=torch.int32),
+        expanded_seq_lens=torch.full((max_num_reqs,), sentinel, dtype=torch.int32),
+    )
+    kernel(batch, buffers)
+    expected = specdec_ops.prepare_prefill_reference(**batch, max_num_reqs=max_num_reqs)
+    total = expected.expanded_input_ids.shape[0]
+    assert torch.equal(buffers["expanded_input_ids"][:total], expected.expanded_input_ids.to(ids_dtype))
+    assert torch.equal(buffers["expanded_positions"][:total], expected.expanded_positions)
+    assert (buffers["expanded_input_ids"][total:] == sentinel).all(), "wrote past num_tokens + num_reqs"
+    assert (buffers["expanded_positions"][total:] == sentinel).all(), "wrote past num_tokens + num_reqs"
+    assert torch.equal(buffers["last_token_indices"], expected.last_token_indices)
+    assert torch.equal(buffers["expanded_query_start_loc"], expected.expanded_query_start_loc)
+    assert torch.equal(buffers["expanded_seq_lens"], expected.expanded_seq_lens)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_out_of_range_values_stay_in_bounds(kernel):
+    # Values are not validated on the device; they must be clamped, never dereferenced out of bounds.
+    batch = make_batch(41, 6)
+    batch["idx_mapping"] = torch.tensor([-5, 99999, 0, 1, 2**30, -1], dtype=torch.int32)
+    batch["num_rejected"] = torch.tensor([-3, 100, 0, 1, 2**20, -(2**20)], dtype=torch.int32)
+    batch["query_start_loc"] = batch["query_start_loc"].clone()
+    batch["query_start_loc"][3] = 10**6
+    batch["query_start_loc"][4] = -10**6
+    out = kernel(batch)
+    total = batch["input_ids"].shape[0] + 6
+    assert out.expanded_input_ids.shape == (total,)
+    allowed = set(batch["input_ids"].tolist()) | set(batch["last_sampled"].tolist()) | {0}
+    assert set(out.expanded_input_ids.tolist()) <= allowed
+    assert 0 <= int(out.expanded_positions.min()) and int(out.expanded_positions.max()) < batch["max_model_len"]
+
+
+def test_cpp_and_triton_agree_on_out_of_range_values():
+    if not HAS_TRITON:
+        pytest.skip("triton not installed")
+    batch = make_batch(42, 6)
+    batch["idx_mapping"] = torch.tensor([-5, 99999, 0, 1, 2**30, -1], dtype=torch.int32)
+    batch["num_rejected"] = torch.tensor([-3, 100, 0, 1, 2**20, -(2**20)], dtype=torch.int32)
+    assert_same(run_cpu(batch), run_triton(batch))
+
+
+# --- bad inputs -------------------------------------------------------------------------
+
+BAD_INPUTS = [
+    ("input_ids", lambda b: b.update(input_ids=b["input_ids"].float()), "dtype int32 or int64"),
+    ("input_ids", lambda b: b.update(input_ids=b["input_ids"][None]), "1-D"),
+    ("positions", lambda b: b.update(positions=b["positions"][:-1]), "positions"),
+    ("seq_lens", lambda b: b.update(seq_lens=b["seq_lens"][:-1]), "seq_lens"),
+    ("idx_mapping", lambda b: b.update(idx_mapping=b["idx_mapping"][:-1]), "idx_mapping"),
+    ("num_rejected", lambda b: b.update(num_rejected=b["num_rejected"][:, None]), "num_rejected"),
+    ("query_start_loc", lambda b: b.update(query_start_loc=b["query_start_loc"][:0]), "query_start_loc"),
+    ("last_sampled", lambda b: b.update(last_sampled=b["last_sampled"].to(torch.int16)), "last_sampled"),
+    ("max_model_len", lambda b: b.update(max_model_len=0), "max_model_len"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,message", BAD_INPUTS, ids=[b[0] + str(i) for i, b in enumerate(BAD_INPUTS)])
+def test_bad_inputs_raise_clear_errors(name, mutate, message):
+    batch = make_batch(51, 3)
+    mutate(batch)
+    with pytest.raises(ValueError, match=f"'{name}'.*{message}|{message}.*'{name}'|'{name}'"):
+        torch.ops.specdec.prepare_prefill(**batch)  # C++ checks
+    fake_batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    with pytest.raises(ValueError, match=f"'{name}'"):
+        torch.ops.specdec.prepare_prefill(**fake_batch)  # the fake kernel, as tracing runs it
+    if HAS_TRITON and not HAS_CUDA:
+        with pytest.raises(ValueError, match=f"'{name}'"):
+            prefill._prepare_prefill_triton(**batch)
+
+
+def test_max_num_reqs_below_num_reqs_is_rejected():
+    batch = make_batch(52, 4)
+    with pytest.raises(ValueError, match="'max_num_reqs'"):
+        torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=3)
+    meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    with pytest.raises(ValueError, match="'max_num_reqs'"):
+        torch.ops.specdec.prepare_prefill(**meta, max_num_reqs=3)
+
+
+def test_device_mix_is_rejected_by_the_fake_kernel():
+    batch = make_batch(53, 3)
+    meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        fake["seq_lens"] = mode.from_tensor(meta["seq_lens"])
+        with pytest.raises(ValueError, match="'seq_lens' is on meta"):
+            torch.ops.specdec.prepare_prefill(**fake)
+
+
+def test_into_buffers_too_small_are_rejected():
+    batch = make_batch(54, 4)
+    total = batch["input_ids"].shape[0] + 4
+    buffers = dict(
+        expanded_input_ids=torch.zeros(total - 1, dtype=torch.int32),
+        expanded_positions=torch.zeros(total, dtype=torch.int64),
+        last_token_indices=torch.zeros(4, dtype=torch.int64),
+        expanded_query_start_loc=torch.zeros(5, dtype=torch.int32),
+        expanded_seq_lens=torch.zeros(4, dtype=torch.int32),
+    )
+    with pytest.raises(ValueError, match="'expanded_input_ids'.*at least"):
+        torch.ops.specdec.prepare_prefill_into(**batch, **buffers)
+    buffers["expanded_input_ids"] = torch.zeros(total, dtype=torch.int32)
+    buffers["expanded_seq_lens"] = torch.zeros(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="'expanded_seq_lens'"):
+        torch.ops.specdec.prepare_prefill_into(**batch, **buffers)
+    buffers["expanded_seq_lens"] = torch.zeros(4, dtype=torch.int32)
+    buffers["expanded_positions"] = torch.zeros(total, dtype=torch.int32)
+    with pytest.raises(ValueError, match="'expanded_positions'.*int64"):
+        torch.ops.specdec.prepare_prefill_into(**batch, **buffers)
+
+
+# --- torch.library and torch.compile -----------------------------------------------------
+
+
+@pytest.mark.parametrize("num_reqs", [0, 3])
+def test_opcheck(num_reqs):
+    batch = make_batch(61, num_reqs)
+    torch.library.opcheck(torch.ops.specdec.prepare_prefill.default, tuple(batch.values()), {"max_num_reqs": 5})
+    total = batch["input_ids"].shape[0] + num_reqs
+    buffers = (torch.zeros(total + 3, dtype=torch.int32), torch.zeros(total + 3, dtype=torch.int64),
+               torch.zeros(6, dtype=torch.int64), torch.zeros(7, dtype=torch.int32), torch.zeros(6, dtype=torch.int32))
+    torch.library.opcheck(torch.ops.specdec.prepare_prefill_into.default, tuple(batch.values()) + buffers)
+
+
+# --- CUDA ------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("num_reqs", [0, 1, 64, 1024])
+def test_cuda_matches_reference(seed, num_reqs):
+    batch = make_batch(seed + 1000 * num_reqs, num_reqs, long_query=seed == 0)
+    out = torch.ops.specdec.prepare_prefill(**to_cuda(batch), max_num_reqs=num_reqs + 3)
+    assert_same(prefill.PrefillInputs(*(o.cpu() for o in out)), specdec_ops.prepare_prefill_reference(**batch, max_num_reqs=num_reqs + 3))
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_and_replay():
+    static = to_cuda(make_batch(71, 16, max_query_len=5, num_tokens=80))
+    max_num_reqs, total = 32, static["input_ids"].shape[0] + 16
+    buffers = dict(
+        expanded_input_ids=torch.zeros(total + 64, dtype=torch.int32, device="cuda"),
+        expanded_positions=torch.zeros(total + 64, dtype=torch.int64, device="cuda"),
+        last_token_indices=torch.zeros(max_num_reqs, dtype=torch.int64, device="cuda"),
+        expanded_query_start_loc=torch.zeros(max_num_reqs + 1, dtype=torch.int32, device="cuda"),
+        expanded_seq_lens=torch.zeros(max_num_reqs, dtype=torch.int32, device="cuda"),
+    )
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compiles the kernel) outside capture
+        specdec_ops.prepare_prefill_into(**static, **buffers)
+        functional = specdec_ops.prepare_prefill(**static, max_num_reqs=max_num_reqs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        specdec_ops.prepare_prefill_into(**static, **buffers)
+        functional = specdec_ops.prepare_prefill(**static, max_num_reqs=max_num_reqs)
+    for seed in range(3):  # new values, same shapes
+        fresh = make_batch(72 + seed, 16, max_query_len=5, num_tokens=static["input_ids"].shape[0])
+        for k, v in fresh.items():
+            if isinstance(v, torch.Tensor):
+                static[k].copy_(v)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graph.replay()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        expected = specdec_ops.prepare_prefill_reference(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                                           for k, v in static.items()}, max_num_reqs=max_num_reqs)
+        assert_same(prefill.PrefillInputs(*(o.cpu() for o in functional)), expected)
+        assert torch.equal(buffers["expanded_input_ids"][:total].cpu(), expected.expanded_input_ids)
+        assert torch.equal(buffers["last_token_indices"].cpu(), expected.last_token_indices)
+
+
+@pytest.mark.cuda
+def test_cuda_no_sync():
+    batch = to_cuda(make_batch(73, 8))
+    torch.ops.specdec.prepare_prefill(**batch)  # compile outside the check
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=12)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
