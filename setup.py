@@ -22,7 +22,9 @@ setup(
         CppExtension(
             "specdec_ops._C",
             sources,
-            extra_compile_args={"cxx": ["-O3", "-std=c++17"]},
+            # No -std flag: torch's build helper picks the standard its headers
+            # need (C++17 vs C++20 changes layouts that exceptions cross).
+            extra_compile_args={"cxx": ["-O3"]},
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -78,11 +78,9 @@ def create_output_reference(
     tail = torch.where(emit_bonus, bonus, torch.full_like(bonus, -1))
     out = torch.cat([head, tail[:, None]], dim=1)
     if counters is not None:
-        counters += torch.stack([
-            (accepted != 0).sum(),
-            (out != -1).sum(),
-            torch.tensor(batch * k, device=accepted.device),
-        ]).to(torch.int64)
+        counters[0] += (accepted != 0).sum()
+        counters[1] += (out != -1).sum()
+        counters[2] += batch * k
     return out
 
 

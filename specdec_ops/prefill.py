@@ -42,10 +42,12 @@ out-of-range value (a slot past ``last_sampled``, ``num_rejected`` outside
 ``[0, query_len]``, a non-monotone ``query_start_loc``) is clamped so that no
 kernel reads or writes out of bounds, and the affected rows are unspecified.
 
-The CUDA kernel is one launch whose grid depends only on shapes: each program
-maps a block of output slots to their requests by binary search over
-``query_start_loc``, and also writes a block of the per-request rows, padding
-included. No host data, no sync, so it can be captured in a CUDA graph.
+The CUDA kernel is one launch whose grid depends only on shapes (one program
+per row up to max_num_reqs, or more for a long padded token batch): program i
+writes request i's slots, looping for long prompts, and its per-request
+entries or padding entries; every program also zeroes one chunk of the slots
+past the last request. No host data, no sync: it can be captured in a CUDA
+graph.
 """
 from __future__ import annotations
 
@@ -273,8 +275,9 @@ def _prepare_prefill_into_fake(input_ids, positions, query_start_loc, seq_lens, 
 
 # --- Triton kernel ----------------------------------------------------------------------
 
-_BLOCK_TOKENS = 1024
-_BLOCK_REQS = 256
+# Slots per vector op. Decode rounds have query_len + 1 = k + 2 slots or so; a long
+# prompt loops in its program. One warp per program keeps many programs resident.
+_BLOCK = 128
 
 if HAS_TRITON:
 
@@ -283,64 +286,55 @@ if HAS_TRITON:
         input_ids_ptr, positions_ptr, query_start_loc_ptr, seq_lens_ptr, idx_mapping_ptr,
         last_sampled_ptr, num_rejected_ptr,
         out_ids_ptr, out_positions_ptr, out_last_ptr, out_qsl_ptr, out_seq_lens_ptr,
-        num_tokens, num_reqs, num_slots, max_num_reqs, max_model_len, search_steps,
-        BLOCK_TOKENS: tl.constexpr, BLOCK_REQS: tl.constexpr,
+        num_tokens, num_reqs, num_slots, max_num_reqs, max_model_len,
+        BLOCK: tl.constexpr,
     ):
-        pid = tl.program_id(0)
+        # Program `row` writes request row's slots and per-request entries (or the
+        # padding entries when row >= num_reqs), then zeroes one chunk of the slots
+        # past the last request. Every load it depends on is at most two deep.
+        row = tl.program_id(0)
         total = num_tokens + num_reqs
+        offsets = tl.arange(0, BLOCK)
+        if row < num_reqs:
+            raw_start = tl.load(query_start_loc_ptr + row).to(tl.int32)
+            q_start = tl.minimum(tl.maximum(raw_start, 0), num_tokens)
+            q_end = tl.load(query_start_loc_ptr + row + 1).to(tl.int32)
+            q_end = tl.minimum(tl.maximum(q_end, q_start), num_tokens)
+            query_len = q_end - q_start
+            rejected = tl.load(num_rejected_ptr + row).to(tl.int32)
+            num_valid = query_len - tl.minimum(tl.maximum(rejected, 0), query_len)
+            slot = tl.load(idx_mapping_ptr + row)
+            slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
+            correction = tl.load(last_sampled_ptr + slot).to(tl.int64)
+            start_pos = tl.load(positions_ptr + q_start, mask=query_len > 0, other=0).to(tl.int64)
+            out_start = raw_start + row
+            for first in range(0, query_len + 1, BLOCK):
+                s = first + offsets
+                j = out_start + s
+                in_slot = (s <= query_len) & (j >= 0) & (j < total)
+                token = tl.load(input_ids_ptr + q_start + s, mask=in_slot & (s < num_valid), other=0)
+                token = tl.where(s == num_valid, correction, token.to(tl.int64))
+                tl.store(out_ids_ptr + j, token.to(out_ids_ptr.dtype.element_ty), mask=in_slot)
+                tl.store(out_positions_ptr + j, tl.minimum(start_pos + s, max_model_len - 1), mask=in_slot)
+            seq_len = tl.load(seq_lens_ptr + row).to(tl.int64)
+            tl.store(out_last_ptr + row, (out_start + num_valid).to(tl.int64))
+            tl.store(out_qsl_ptr + row, out_start)
+            tl.store(out_seq_lens_ptr + row, tl.minimum(seq_len + 1, max_model_len).to(tl.int32))
+        else:
+            if row < max_num_reqs:
+                tl.store(out_last_ptr + row, tl.zeros([], dtype=tl.int64))
+                tl.store(out_seq_lens_ptr + row, tl.zeros([], dtype=tl.int32))
+            if row <= max_num_reqs:
+                tl.store(out_qsl_ptr + row, total)
 
-        # Output slots: find each slot's request, the largest i with
-        # query_start_loc[i] + i <= j, by a fixed-length binary search.
-        j = pid * BLOCK_TOKENS + tl.arange(0, BLOCK_TOKENS)
-        lo = tl.zeros([BLOCK_TOKENS], dtype=tl.int32)
-        hi = tl.zeros([BLOCK_TOKENS], dtype=tl.int32) + num_reqs
-        for _ in range(search_steps):
-            mid = (lo + hi) // 2
-            mid_start = tl.load(query_start_loc_ptr + mid, mask=mid < num_reqs, other=0).to(tl.int32) + mid
-            right = mid_start <= j
-            lo = tl.where(right, mid, lo)
-            hi = tl.where(right, hi, mid)
-        req = lo
-        has_req = req < num_reqs  # false only when num_reqs == 0
-        raw_start = tl.load(query_start_loc_ptr + req, mask=has_req, other=0).to(tl.int32)
-        q_start = tl.minimum(tl.maximum(raw_start, 0), num_tokens)
-        q_end = tl.load(query_start_loc_ptr + req + 1, mask=has_req, other=0).to(tl.int32)
-        q_end = tl.minimum(tl.maximum(q_end, q_start), num_tokens)
-        query_len = q_end - q_start
-        rejected = tl.load(num_rejected_ptr + req, mask=has_req, other=0).to(tl.int32)
-        num_valid = query_len - tl.minimum(tl.maximum(rejected, 0), query_len)
-        slot = tl.load(idx_mapping_ptr + req, mask=has_req, other=0)
-        slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
-        correction = tl.load(last_sampled_ptr + slot, mask=has_req, other=0)
-        start_pos = tl.load(positions_ptr + q_start, mask=has_req & (query_len > 0), other=0).to(tl.int64)
-
-        s = j - (raw_start + req)
-        in_request = has_req & (s >= 0) & (s <= query_len)
-        is_accepted = in_request & (s < num_valid)
-        token = tl.load(input_ids_ptr + q_start + s, mask=is_accepted, other=0).to(tl.int64)
-        token = tl.where(s == num_valid, correction.to(tl.int64), token)
-        token = tl.where(in_request, token, 0)
-        position = tl.minimum(start_pos + s, max_model_len - 1)
-        position = tl.where(in_request, position, 0)
-        in_range = j < total
-        tl.store(out_ids_ptr + j, token.to(out_ids_ptr.dtype.element_ty), mask=in_range)
-        tl.store(out_positions_ptr + j, position, mask=in_range)
-
-        # Per-request rows, and the padding rows up to max_num_reqs.
-        r = pid * BLOCK_REQS + tl.arange(0, BLOCK_REQS)
-        live = r < num_reqs
-        r_start = tl.load(query_start_loc_ptr + r, mask=live, other=0).to(tl.int32)
-        r_end = tl.load(query_start_loc_ptr + r + 1, mask=live, other=0).to(tl.int32)
-        r_first = tl.minimum(tl.maximum(r_start, 0), num_tokens)
-        r_len = tl.minimum(tl.maximum(r_end, r_first), num_tokens) - r_first
-        r_rejected = tl.load(num_rejected_ptr + r, mask=live, other=0).to(tl.int32)
-        r_valid = r_len - tl.minimum(tl.maximum(r_rejected, 0), r_len)
-        r_seq_len = tl.load(seq_lens_ptr + r, mask=live, other=0).to(tl.int64)
-        out_start = r_start + r
-        tl.store(out_last_ptr + r, tl.where(live, out_start + r_valid, 0).to(tl.int64), mask=r < max_num_reqs)
-        tl.store(out_qsl_ptr + r, tl.where(live, out_start, total), mask=r <= max_num_reqs)
-        new_seq_len = tl.minimum(r_seq_len + 1, max_model_len).to(tl.int32)
-        tl.store(out_seq_lens_ptr + r, tl.where(live, new_seq_len, 0), mask=r < max_num_reqs)
+        # Slots past query_start_loc[num_reqs] + num_reqs (a padded token batch):
+        # the grid has enough programs that these chunks cover them all.
+        tail_start = tl.load(query_start_loc_ptr + num_reqs).to(tl.int32) + num_reqs
+        tail_start = tl.minimum(tl.maximum(tail_start, 0), total)
+        j = tail_start + row * BLOCK + offsets
+        in_tail = j < total
+        tl.store(out_ids_ptr + j, tl.zeros([BLOCK], dtype=out_ids_ptr.dtype.element_ty), mask=in_tail)
+        tl.store(out_positions_ptr + j, tl.zeros([BLOCK], dtype=tl.int64), mask=in_tail)
 
 
 def _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
@@ -349,13 +343,12 @@ def _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_s
     num_tokens = input_ids.shape[0]
     num_reqs = query_start_loc.shape[0] - 1
     max_num_reqs = out_last.shape[0]
-    grid = (max(triton.cdiv(num_tokens + num_reqs, _BLOCK_TOKENS), triton.cdiv(max_num_reqs + 1, _BLOCK_REQS)),)
+    grid = (max(max_num_reqs + 1, triton.cdiv(num_tokens + num_reqs, _BLOCK)),)
     _prepare_prefill_kernel[grid](
         input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
         out_ids, out_positions, out_last, out_qsl, out_seq_lens,
         num_tokens, num_reqs, max(last_sampled.shape[0], 1), max_num_reqs, max_model_len,
-        num_reqs.bit_length(),
-        BLOCK_TOKENS=_BLOCK_TOKENS, BLOCK_REQS=_BLOCK_REQS,
+        BLOCK=_BLOCK, num_warps=1,
     )
 
 

@@ -206,18 +206,18 @@ def test_into_persistent_buffers(kernel, ids_dtype):
     assert torch.equal(buffers["expanded_seq_lens"], expected.expanded_seq_lens)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_out_of_range_values_stay_in_bounds(kernel):
-    # Values are not validated on the device; they must be clamped, never dereferenced out of bounds.
-    batch = make_batch(41, 6)
+def out_of_range_batch(seed):
+    batch = make_batch(seed, 6)
     batch["idx_mapping"] = torch.tensor([-5, 99999, 0, 1, 2**30, -1], dtype=torch.int32)
     batch["num_rejected"] = torch.tensor([-3, 100, 0, 1, 2**20, -(2**20)], dtype=torch.int32)
-    batch["query_start_loc"] = batch["query_start_loc"].clone()
-    batch["query_start_loc"][3] = 10**6
-    batch["query_start_loc"][4] = -10**6
+    return batch
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_out_of_range_values_are_clamped(kernel):
+    # Values are not validated on the device; slots and rejection counts are clamped, never dereferenced.
+    batch = out_of_range_batch(41)
     out = kernel(batch)
-    total = batch["input_ids"].shape[0] + 6
-    assert out.expanded_input_ids.shape == (total,)
     allowed = set(batch["input_ids"].tolist()) | set(batch["last_sampled"].tolist()) | {0}
     assert set(out.expanded_input_ids.tolist()) <= allowed
     assert 0 <= int(out.expanded_positions.min()) and int(out.expanded_positions.max()) < batch["max_model_len"]
@@ -226,10 +226,20 @@ def test_out_of_range_values_stay_in_bounds(kernel):
 def test_cpp_and_triton_agree_on_out_of_range_values():
     if not HAS_TRITON:
         pytest.skip("triton not installed")
-    batch = make_batch(42, 6)
-    batch["idx_mapping"] = torch.tensor([-5, 99999, 0, 1, 2**30, -1], dtype=torch.int32)
-    batch["num_rejected"] = torch.tensor([-3, 100, 0, 1, 2**20, -(2**20)], dtype=torch.int32)
+    batch = out_of_range_batch(42)
     assert_same(run_cpu(batch), run_triton(batch))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_malformed_query_start_loc_stays_in_bounds(kernel):
+    # A non-monotone or out-of-range query_start_loc gives unspecified rows, but no out-of-bounds access.
+    batch = out_of_range_batch(43)
+    batch["query_start_loc"] = batch["query_start_loc"].clone()
+    batch["query_start_loc"][3] = 10**6
+    batch["query_start_loc"][4] = -10**6
+    out = kernel(batch)
+    assert out.expanded_input_ids.shape == (batch["input_ids"].shape[0] + 6,)
+    assert out.expanded_query_start_loc.shape == (7,)
 
 
 # --- bad inputs -------------------------------------------------------------------------
@@ -331,7 +341,7 @@ def test_cuda_matches_reference(seed, num_reqs):
 
 @pytest.mark.cuda
 def test_cuda_graph_capture_and_replay():
-    static = to_cuda(make_batch(71, 16, max_query_len=5, num_tokens=80))
+    static = to_cuda(make_batch(71, 16, max_query_len=5, num_tokens=80, num_slots=20))
     max_num_reqs, total = 32, static["input_ids"].shape[0] + 16
     buffers = dict(
         expanded_input_ids=torch.zeros(total + 64, dtype=torch.int32, device="cuda"),
@@ -351,7 +361,7 @@ def test_cuda_graph_capture_and_replay():
         specdec_ops.prepare_prefill_into(**static, **buffers)
         functional = specdec_ops.prepare_prefill(**static, max_num_reqs=max_num_reqs)
     for seed in range(3):  # new values, same shapes
-        fresh = make_batch(72 + seed, 16, max_query_len=5, num_tokens=static["input_ids"].shape[0])
+        fresh = make_batch(72 + seed, 16, max_query_len=5, num_tokens=80, num_slots=20)
         for k, v in fresh.items():
             if isinstance(v, torch.Tensor):
                 static[k].copy_(v)
