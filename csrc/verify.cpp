@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -112,7 +113,9 @@ void decide(const at::Tensor& target, const at::Tensor& draft, const TypicalPara
       } else if (in_vocab) {
         const double p = static_cast<double>(static_cast<float>(row[x]));
         const double posterior = typical->alpha * std::exp(row_neg_entropy(row, vocab));
-        accept = p > typical->threshold && p > posterior;  // a NaN posterior rejects
+        // min(threshold, posterior), NaN (rejecting) if either is NaN, as torch.minimum.
+        const bool has_nan = std::isnan(posterior) || std::isnan(typical->threshold);
+        accept = !has_nan && p > std::min(typical->threshold, posterior);
       }
       accepted[b * k + i] = accept;
     }
@@ -126,7 +129,7 @@ at::Tensor verify_impl(const char* op, const char* target_name, const at::Tensor
   const int64_t k = draft.size(1);
   std::vector<int64_t> argmax(batch * (k + 1));
   std::vector<uint8_t> accepted(batch * k);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target.scalar_type(), op, [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, target.scalar_type(), "verify", [&] {
     decide<scalar_t>(target, draft, typical, argmax, accepted);
   });
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import INDEX_DTYPES, INT_DTYPES, check_size, check_tensor
+from ._launch import CachedLaunch
 from ._library import register_cuda, register_fake
 from ._triton import HAS_TRITON, tl, triton
 
@@ -50,7 +51,8 @@ def create_output(
     proposed) token counts in place.
     """
     if counters is None:
-        return torch.ops.specdec.create_output(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids)
+        return torch.ops.specdec.create_output.default(accepted, substitute_token_ids, draft_token_ids,
+                                                       bonus_token_ids)
     return torch.ops.specdec.create_output.counted(
         accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters
     )
@@ -124,7 +126,12 @@ _BLOCK_ROWS = 128
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(
+        do_not_specialize=["batch", "k", "accepted_row_stride", "substitute_row_stride", "draft_row_stride",
+                           "bonus_row_stride"],
+        do_not_specialize_on_alignment=["accepted_ptr", "substitute_ptr", "draft_ptr", "bonus_ptr", "out_ptr",
+                                        "counters_ptr"],
+    )
     def _create_output_kernel(
         accepted_ptr, substitute_ptr, draft_ptr, bonus_ptr, out_ptr, counters_ptr,
         batch, k,
@@ -160,9 +167,12 @@ if HAS_TRITON:
             num_accepted = tl.sum(tl.sum((accepted != 0).to(tl.int64), axis=1), axis=0)
             num_emitted = tl.sum(tl.sum((in_out & (out != -1)).to(tl.int64), axis=1), axis=0)
             num_rows = tl.sum(row_ok.to(tl.int64), axis=0)
-            tl.atomic_add(counters_ptr, num_accepted)
-            tl.atomic_add(counters_ptr + 1, num_emitted)
-            tl.atomic_add(counters_ptr + 2, num_rows * k)
+            # Plain sums: no ordering with other memory is needed, so no fences.
+            tl.atomic_add(counters_ptr, num_accepted, sem="relaxed")
+            tl.atomic_add(counters_ptr + 1, num_emitted, sem="relaxed")
+            tl.atomic_add(counters_ptr + 2, num_rows * k, sem="relaxed")
+
+    _launch_kernel = CachedLaunch(_create_output_kernel)
 
 
 def _launch(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters):
@@ -171,12 +181,12 @@ def _launch(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, co
     if batch == 0:
         return out
     grid = (triton.cdiv(batch, _BLOCK_ROWS),)
-    _create_output_kernel[grid](
-        accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, out,
-        out if counters is None else counters,
-        batch, k,
-        accepted.stride(0), substitute_token_ids.stride(0), draft_token_ids.stride(0), bonus_token_ids.stride(0),
-        BLOCK_ROWS=_BLOCK_ROWS, BLOCK_COLS=triton.next_power_of_2(k + 1), COUNT=counters is not None,
+    _launch_kernel(
+        grid,
+        (accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, out, out if counters is None else counters,
+         batch, k,
+         accepted.stride(0), substitute_token_ids.stride(0), draft_token_ids.stride(0), bonus_token_ids.stride(0)),
+        (_BLOCK_ROWS, triton.next_power_of_2(k + 1), counters is not None),
     )
     return out
 

@@ -56,6 +56,7 @@ from typing import NamedTuple
 import torch
 
 from ._checks import INT_DTYPES, check_size, check_tensor
+from ._launch import CachedLaunch
 from ._library import register_cuda, register_fake
 from ._triton import HAS_TRITON, tl, triton
 
@@ -94,7 +95,7 @@ def prepare_prefill(
 ) -> PrefillInputs:
     """Builds the draft model's step-0 batch; see the module docstring for the layout."""
     return PrefillInputs(
-        *torch.ops.specdec.prepare_prefill(
+        *torch.ops.specdec.prepare_prefill.default(
             input_ids,
             positions,
             query_start_loc,
@@ -130,7 +131,7 @@ def prepare_prefill_into(
     buffers (int32 or int64 ids, int64 positions) may be longer than
     ``num_tokens + num_reqs``: entries past that are left untouched.
     """
-    torch.ops.specdec.prepare_prefill_into(
+    torch.ops.specdec.prepare_prefill_into.default(
         input_ids,
         positions,
         query_start_loc,
@@ -281,7 +282,14 @@ _BLOCK = 128
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(
+        do_not_specialize=["num_tokens", "num_reqs", "num_slots", "max_num_reqs", "max_model_len"],
+        do_not_specialize_on_alignment=[
+            "input_ids_ptr", "positions_ptr", "query_start_loc_ptr", "seq_lens_ptr", "idx_mapping_ptr",
+            "last_sampled_ptr", "num_rejected_ptr", "out_ids_ptr", "out_positions_ptr", "out_last_ptr",
+            "out_qsl_ptr", "out_seq_lens_ptr",
+        ],
+    )
     def _prepare_prefill_kernel(
         input_ids_ptr, positions_ptr, query_start_loc_ptr, seq_lens_ptr, idx_mapping_ptr,
         last_sampled_ptr, num_rejected_ptr,
@@ -337,6 +345,9 @@ if HAS_TRITON:
         tl.store(out_positions_ptr + j, tl.zeros([BLOCK], dtype=tl.int64), mask=in_tail)
 
 
+    _launch_kernel = CachedLaunch(_prepare_prefill_kernel)
+
+
 def _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
             max_model_len, out_ids, out_positions, out_last, out_qsl, out_seq_lens) -> None:
     """One launch of the Triton kernel (inputs already validated)."""
@@ -344,11 +355,13 @@ def _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_s
     num_reqs = query_start_loc.shape[0] - 1
     max_num_reqs = out_last.shape[0]
     grid = (max(max_num_reqs + 1, triton.cdiv(num_tokens + num_reqs, _BLOCK)),)
-    _prepare_prefill_kernel[grid](
-        input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-        out_ids, out_positions, out_last, out_qsl, out_seq_lens,
-        num_tokens, num_reqs, max(last_sampled.shape[0], 1), max_num_reqs, max_model_len,
-        BLOCK=_BLOCK, num_warps=1,
+    _launch_kernel(
+        grid,
+        (input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
+         out_ids, out_positions, out_last, out_qsl, out_seq_lens,
+         num_tokens, num_reqs, max(last_sampled.shape[0], 1), max_num_reqs, max_model_len),
+        (_BLOCK,),
+        num_warps=1,
     )
 
 

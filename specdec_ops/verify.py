@@ -10,10 +10,10 @@ the lowest index on ties, and the first NaN if the row holds one.
 Accept decisions, at every position i < k, for ``x = draft_token_ids[b, i]``:
 
 - ``greedy_verify``: accept iff ``x == argmax_i``.
-- ``typical_acceptance``: accept iff ``p_i(x) > posterior_threshold`` and
-  ``p_i(x) > posterior_alpha * exp(-H(p_i))``, i.e. ``p_i(x) > min(threshold,
-  alpha * exp(-H))`` (a NaN entropy rejects), where
-  ``H(p) = -sum_v p[v] * log(p[v] + 1e-5)``. Defaults: threshold 0.09,
+- ``typical_acceptance``: accept iff ``p_i(x) > min(posterior_threshold,
+  posterior_alpha * exp(-H(p_i)))``, where
+  ``H(p) = -sum_v p[v] * log(p[v] + 1e-5)``; the min is NaN, and x rejected,
+  when either side is NaN (as ``torch.minimum``). Defaults: threshold 0.09,
   alpha 0.3.
 
 A draft id outside ``[0, V)`` (for example -1 padding) is always rejected and
@@ -40,10 +40,12 @@ to float32 without rounding). The entropy is accumulated in float64 by the
 CPU kernel (as by `typical_acceptance_reference`) and in float32 by the CUDA
 kernel: each lane of a program sums one term in every BLOCK_V, so a lane adds
 at most V / BLOCK_V terms (32 for V = 128256), then the lanes and the chunk
-partials are added as trees in a fixed order; that keeps the relative error
-near 1e-6 and the result run-to-run deterministic. Decisions agree with the
-reference except for inputs whose draft probability lies within about that
-relative distance of the threshold.
+partials are added as trees in a fixed order. That keeps the absolute error
+of H near 1e-6 * H (about 1e-5 for a flat V = 128256 row), which is the
+relative error of exp(-H), and makes the result run-to-run deterministic for
+given shapes. Decisions agree with the reference except for inputs whose
+draft probability lies within about that relative distance of the limit (the
+CUDA kernel also rounds posterior_threshold and posterior_alpha to float32).
 
 CUDA kernel (Triton): ONE launch of B * (k+1) * C programs. Program
 (b, i, c) streams chunk c of row i of request b (BLOCK_V entries per step,
@@ -140,8 +142,8 @@ def typical_acceptance_decisions(
     entropy = -(probs * torch.log(probs + ENTROPY_EPS)).sum(dim=-1)
     valid, safe_ids = _draft_in_vocab(draft_token_ids, target_probs.shape[-1])
     draft_prob = probs.gather(-1, safe_ids[..., None]).squeeze(-1)
-    accepted = valid & (draft_prob > posterior_threshold) & (draft_prob > posterior_alpha * torch.exp(-entropy))
-    return accepted, argmax
+    limit = torch.minimum(torch.full_like(entropy, posterior_threshold), posterior_alpha * torch.exp(-entropy))
+    return valid & (draft_prob > limit), argmax
 
 
 def greedy_verify_reference(
@@ -314,8 +316,11 @@ if HAS_TRITON:
                 safe_draft = tl.where(in_vocab, draft, 0)
                 draft_prob = tl.load(request_ptr + rows.to(tl.int64) * target_row_stride + safe_draft,
                                      mask=in_vocab, other=0.0).to(tl.float32)
-                accepted = (in_vocab & (draft_prob > posterior_threshold)
-                            & (draft_prob > posterior_alpha * tl.exp(neg_entropy)))
+                posterior = posterior_alpha * tl.exp(neg_entropy)
+                # min(threshold, posterior), NaN if either is NaN (torch.minimum).
+                limit = tl.where(posterior < posterior_threshold, posterior, posterior_threshold)
+                not_nan = (posterior == posterior) & (posterior_threshold == posterior_threshold)
+                accepted = in_vocab & not_nan & (draft_prob > limit)
             else:
                 accepted = in_vocab & (draft == argmax)
 
@@ -325,12 +330,13 @@ if HAS_TRITON:
                      mask=rows <= k)
             if COUNT:
                 # Every emitted entry is a valid id (>= 0): first_rejected + 1 of them.
-                tl.atomic_add(counters_ptr, tl.sum(accepted.to(tl.int64), axis=0))
-                tl.atomic_add(counters_ptr + 1, (first_rejected + 1).to(tl.int64))
-                tl.atomic_add(counters_ptr + 2, tl.sum(is_draft.to(tl.int64), axis=0))
+                tl.atomic_add(counters_ptr, tl.sum(accepted.to(tl.int64), axis=0), sem="relaxed")
+                tl.atomic_add(counters_ptr + 1, (first_rejected + 1).to(tl.int64), sem="relaxed")
+                tl.atomic_add(counters_ptr + 2, tl.sum(is_draft.to(tl.int64), axis=0), sem="relaxed")
 
 
 _tickets: dict[torch.device, torch.Tensor] = {}
+_outgrown_tickets: list[torch.Tensor] = []  # kept alive: captured CUDA graphs may still point at them
 _sm_counts: dict[torch.device, int] = {}
 
 
@@ -343,13 +349,16 @@ def _ticket_buffer(device: torch.device, batch: int) -> torch.Tensor:
     tickets = _tickets.get(device)
     if tickets is not None and tickets.numel() >= batch:
         return tickets
-    tickets = torch.zeros(max(batch, _TICKET_CAPACITY), dtype=torch.int32, device=device)
+    grown = torch.zeros(max(batch, _TICKET_CAPACITY), dtype=torch.int32, device=device)
     if _is_capturing(device):
-        # Keep no graph-pool memory beyond this capture: the captured memset
-        # makes this graph self-contained (only when B exceeds the capacity).
-        return tickets
-    _tickets[device] = tickets
-    return tickets
+        # Graph-pool memory must not outlive the capture: use these zeroed
+        # tickets for this call only (the graph replays its memset), which
+        # happens only when B exceeds the capacity during the first capture.
+        return grown
+    if tickets is not None:
+        _outgrown_tickets.append(tickets)
+    _tickets[device] = grown
+    return grown
 
 
 def _sm_count(device: torch.device) -> int:

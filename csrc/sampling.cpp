@@ -1,0 +1,371 @@
+// CPU kernels of specdec::rejection_sample and specdec::sample_draft (and their
+// overloads). The contract, including the random streams, is in
+// specdec_ops/sampling.py. Unlike the reference, which races every position,
+// this kernel evaluates the k accept tests and races over V only at the one
+// rejected (or bonus) position of each request.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+
+#include "checks.h"
+
+namespace specdec {
+namespace {
+
+constexpr const char* kRejection = "rejection_sample";
+constexpr uint32_t kDraft = 1, kAccept = 2, kResidual = 3, kBonus = 4;
+
+// --- the random streams: MurmurHash3_x86_32 of (seed lo, seed hi, pos lo, pos hi, purpose, index)
+
+inline uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+
+inline uint32_t mix_word(uint32_t h, uint32_t word) {
+  word *= 0xCC9E2D51u;
+  word = rotl32(word, 15);
+  word *= 0x1B873593u;
+  h ^= word;
+  h = rotl32(h, 13);
+  return h * 5u + 0xE6546B64u;
+}
+
+// Hash state after the first five words; a draw then only mixes in its index.
+inline uint32_t row_state(int64_t seed, int64_t position, uint32_t purpose) {
+  const uint64_t s = static_cast<uint64_t>(seed);
+  const uint64_t p = static_cast<uint64_t>(position);
+  uint32_t h = mix_word(0u, static_cast<uint32_t>(s));
+  h = mix_word(h, static_cast<uint32_t>(s >> 32));
+  h = mix_word(h, static_cast<uint32_t>(p));
+  h = mix_word(h, static_cast<uint32_t>(p >> 32));
+  return mix_word(h, purpose);
+}
+
+inline uint32_t draw_bits(uint32_t state, uint32_t index) {
+  uint32_t h = mix_word(state, index) ^ 24u;
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  return h ^ (h >> 16);
+}
+
+inline float uniform(uint32_t bits) { return static_cast<float>(bits >> 8) * 5.960464477539063e-08f; }
+
+inline float exponential(uint32_t bits) {
+  const float w = static_cast<float>(bits) * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
+  if (w < 0.0078125f) return w * (1.0f + w * (0.5f + w * (0.3333333432674408f + w * 0.25f)));
+  return -std::log(1.0f - w);
+}
+
+// --- element access ---------------------------------------------------------------------------
+
+// Reads element `idx` of a float16/bfloat16/float32/float64 buffer as float.
+inline float load_float(const void* base, at::ScalarType dtype, int64_t idx) {
+  switch (dtype) {
+    case at::kFloat: return static_cast<const float*>(base)[idx];
+    case at::kHalf: return static_cast<float>(static_cast<const at::Half*>(base)[idx]);
+    case at::kBFloat16: return static_cast<float>(static_cast<const at::BFloat16*>(base)[idx]);
+    default: return static_cast<float>(static_cast<const double*>(base)[idx]);
+  }
+}
+
+inline int64_t load_strided_int(const at::Tensor& t, int64_t offset) {
+  return t.scalar_type() == at::kInt ? static_cast<int64_t>(t.const_data_ptr<int32_t>()[offset])
+                                     : t.const_data_ptr<int64_t>()[offset];
+}
+
+inline void store_int(at::Tensor& t, int64_t idx, int64_t v) {
+  if (t.scalar_type() == at::kInt) {
+    t.data_ptr<int32_t>()[idx] = static_cast<int32_t>(v);
+  } else {
+    t.data_ptr<int64_t>()[idx] = v;
+  }
+}
+
+bool is_prob_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+void check_prob_dtype(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(is_prob_dtype(t.scalar_type()), op, ": argument '", name,
+                    "' must have dtype float32 or float16 or bfloat16, got ", dtype_name(t.scalar_type()));
+}
+
+void check_1d_int64(const char* op, const char* name, const at::Tensor& t, int64_t rows, const char* meaning) {
+  check_rank(op, name, t, 1);
+  check_dtype(op, name, t, at::kLong);
+  check_cpu(op, name, t);
+  check_size(op, name, t, 0, rows, meaning);
+}
+
+// Exponential race over one row: argmax_v weight(v) / E_v, lowest index on ties.
+// Returns (index, best key); the key is -1 when the row is empty.
+template <typename Weight>
+std::pair<int64_t, float> race(int64_t vocab, uint32_t state, Weight weight) {
+  int64_t best = 0;
+  float best_key = -1.0f;
+  for (int64_t v = 0; v < vocab; ++v) {
+    const float key = weight(v) / exponential(draw_bits(state, static_cast<uint32_t>(v)));
+    if (key > best_key) {
+      best_key = key;
+      best = v;
+    }
+  }
+  return {best, best_key};
+}
+
+// --- rejection_sample --------------------------------------------------------------------------
+
+at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& draft,
+                                 const std::optional<at::Tensor>& draft_probs, const at::Tensor& seeds,
+                                 const at::Tensor& offsets, const std::optional<at::Tensor>& bonus,
+                                 at::Tensor* counters) {
+  const char* op = kRejection;
+  check_rank(op, "target_probs", target, 3);
+  check_prob_dtype(op, "target_probs", target);
+  check_cpu(op, "target_probs", target);
+  check_unit_stride(op, "target_probs", target);
+  const int64_t batch = target.size(0);
+  const int64_t k = target.size(1) - 1;
+  const int64_t vocab = target.size(2);
+  TORCH_CHECK_VALUE(k >= 1, op, ": argument 'target_probs' must have k+1 >= 2 positions in dimension 1, got shape ",
+                    target.sizes());
+  TORCH_CHECK_VALUE(vocab >= 1, op, ": argument 'target_probs' must have a vocabulary of V >= 1, got shape ",
+                    target.sizes());
+  check_rank(op, "draft_token_ids", draft, 2);
+  check_int_dtype(op, "draft_token_ids", draft);
+  check_cpu(op, "draft_token_ids", draft);
+  check_unit_stride(op, "draft_token_ids", draft);
+  check_size(op, "draft_token_ids", draft, 0, batch, "B, rows of target_probs");
+  check_size(op, "draft_token_ids", draft, 1, k, "k, target_probs has k+1 positions");
+  if (draft_probs.has_value()) {
+    const at::Tensor& q = *draft_probs;
+    check_rank(op, "draft_probs", q, 3);
+    check_prob_dtype(op, "draft_probs", q);
+    check_cpu(op, "draft_probs", q);
+    check_unit_stride(op, "draft_probs", q);
+    check_size(op, "draft_probs", q, 0, batch, "B, rows of target_probs");
+    check_size(op, "draft_probs", q, 1, k, "k, target_probs has k+1 positions");
+    check_size(op, "draft_probs", q, 2, vocab, "V, vocabulary of target_probs");
+  }
+  check_1d_int64(op, "seeds", seeds, batch, "B, rows of target_probs");
+  check_1d_int64(op, "offsets", offsets, batch, "B, rows of target_probs");
+  if (bonus.has_value()) {
+    const at::Tensor& t = *bonus;
+    TORCH_CHECK_VALUE(t.dim() == 1 || (t.dim() == 2 && t.size(1) == 1), op,
+                      ": argument 'bonus_token_ids' must have shape [B, 1] or [B], got shape ", t.sizes());
+    check_int_dtype(op, "bonus_token_ids", t);
+    check_cpu(op, "bonus_token_ids", t);
+    check_size(op, "bonus_token_ids", t, 0, batch, "B, rows of target_probs");
+  }
+  if (counters != nullptr) {
+    check_cpu(op, "counters", *counters);
+    check_dtype(op, "counters", *counters, at::kLong);
+    TORCH_CHECK_VALUE(counters->dim() == 1 && counters->size(0) == 3 && counters->is_contiguous(), op,
+                      ": argument 'counters' must be a contiguous int64 tensor of shape [3], got shape ",
+                      counters->sizes());
+  }
+
+  at::Tensor out = at::empty({batch, k + 1}, draft.options());
+  // Strided access throughout: an expanded input (batch stride 0) is never materialized.
+  const void* p_base = target.const_data_ptr();
+  const at::ScalarType p_dtype = target.scalar_type();
+  const int64_t p_sb = target.stride(0), p_si = target.stride(1);
+  const bool has_q = draft_probs.has_value();
+  const void* q_base = has_q ? draft_probs->const_data_ptr() : nullptr;
+  const at::ScalarType q_dtype = has_q ? draft_probs->scalar_type() : at::kFloat;
+  const int64_t q_sb = has_q ? draft_probs->stride(0) : 0, q_si = has_q ? draft_probs->stride(1) : 0;
+  const int64_t d_sb = draft.stride(0);
+  const int64_t* seed_data = seeds.const_data_ptr<int64_t>();
+  const int64_t* offset_data = offsets.const_data_ptr<int64_t>();
+  const int64_t seed_s = seeds.stride(0), offset_s = offsets.stride(0);
+
+  std::atomic<int64_t> num_accepted{0}, num_emitted{0};
+  at::parallel_for(0, batch, 16, [&](int64_t begin, int64_t end) {
+    int64_t local_accepted = 0, local_emitted = 0;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t seed = seed_data[b * seed_s];
+      const int64_t offset = offset_data[b * offset_s];
+      int64_t first_rejected = k;
+      for (int64_t i = 0; i < k; ++i) {
+        const int64_t x = load_strided_int(draft, b * d_sb + i);
+        bool accepted = false;
+        if (x >= 0 && x < vocab) {
+          const float p_x = load_float(p_base, p_dtype, b * p_sb + i * p_si + x);
+          const float q_x = has_q ? load_float(q_base, q_dtype, b * q_sb + i * q_si + x) : 1.0f;
+          const float u = uniform(draw_bits(row_state(seed, offset + i, kAccept), 0u));
+          accepted = u * q_x < p_x;
+        }
+        local_accepted += accepted;
+        if (!accepted && first_rejected == k) first_rejected = i;
+      }
+      const int64_t j = first_rejected;
+      int64_t token = -1;
+      if (j < k || !bonus.has_value()) {
+        const uint32_t state = row_state(seed, offset + j, j < k ? kResidual : kBonus);
+        const int64_t p_row = b * p_sb + j * p_si;
+        const int64_t q_row = b * q_sb + j * q_si;
+        const int64_t x_j = j < k ? load_strided_int(draft, b * d_sb + j) : -1;
+        auto residual = [&](int64_t v) {
+          float q = 0.0f;
+          if (j < k) q = has_q ? load_float(q_base, q_dtype, q_row + v) : (v == x_j ? 1.0f : 0.0f);
+          return std::max(load_float(p_base, p_dtype, p_row + v) - q, 0.0f);
+        };
+        auto [winner, key] = race(vocab, state, residual);
+        if (!(key > 0.0f)) {  // no positive residual key: draw from p_j itself, same exponentials
+          winner = race(vocab, state, [&](int64_t v) { return load_float(p_base, p_dtype, p_row + v); }).first;
+        }
+        token = winner;
+      }
+      for (int64_t c = 0; c < k; ++c) {
+        int64_t v = -1;
+        if (c < j) {
+          v = load_strided_int(draft, b * d_sb + c);
+        } else if (c == j) {
+          v = token;
+        }
+        store_int(out, b * (k + 1) + c, v);
+        local_emitted += v != -1;
+      }
+      int64_t bonus_token = -1;
+      if (j == k) bonus_token = bonus.has_value() ? load_strided_int(*bonus, b * bonus->stride(0)) : token;
+      store_int(out, b * (k + 1) + k, bonus_token);
+      local_emitted += bonus_token != -1;
+    }
+    num_accepted += local_accepted;
+    num_emitted += local_emitted;
+  });
+  if (counters != nullptr) {
+    int64_t* c = counters->data_ptr<int64_t>();
+    c[0] += num_accepted.load();
+    c[1] += num_emitted.load();
+    c[2] += batch * k;
+  }
+  return out;
+}
+
+at::Tensor rejection_sample_cpu(const at::Tensor& target_probs, const at::Tensor& draft_token_ids,
+                                const std::optional<at::Tensor>& draft_probs, const at::Tensor& seeds,
+                                const at::Tensor& offsets, const std::optional<at::Tensor>& bonus_token_ids) {
+  return rejection_sample_impl(target_probs, draft_token_ids, draft_probs, seeds, offsets, bonus_token_ids,
+                               nullptr);
+}
+
+at::Tensor rejection_sample_counted_cpu(const at::Tensor& target_probs, const at::Tensor& draft_token_ids,
+                                        const std::optional<at::Tensor>& draft_probs, const at::Tensor& seeds,
+                                        const at::Tensor& offsets,
+                                        const std::optional<at::Tensor>& bonus_token_ids, at::Tensor counters) {
+  return rejection_sample_impl(target_probs, draft_token_ids, draft_probs, seeds, offsets, bonus_token_ids,
+                               &counters);
+}
+
+// --- sample_draft ------------------------------------------------------------------------------
+
+at::Tensor sample_draft_impl(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& seeds,
+                             const at::Tensor& positions, at::Tensor* probs) {
+  const char* op = probs == nullptr ? "sample_draft" : "sample_draft.with_probs";
+  check_rank(op, "logits", logits, 2);
+  const at::ScalarType dtype = logits.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble, op,
+                    ": argument 'logits' must have dtype float16 or bfloat16 or float32 or float64, got ",
+                    dtype_name(dtype));
+  check_cpu(op, "logits", logits);
+  check_unit_stride(op, "logits", logits);
+  const int64_t rows = logits.size(0);
+  const int64_t vocab = logits.size(1);
+  TORCH_CHECK_VALUE(vocab >= 1, op, ": argument 'logits' must have a vocabulary of V >= 1, got shape ",
+                    logits.sizes());
+  check_rank(op, "temperature", temperature, 1);
+  check_dtype(op, "temperature", temperature, at::kFloat);
+  check_cpu(op, "temperature", temperature);
+  check_size(op, "temperature", temperature, 0, rows, "n, rows of logits");
+  check_1d_int64(op, "seeds", seeds, rows, "n, rows of logits");
+  check_1d_int64(op, "positions", positions, rows, "n, rows of logits");
+  if (probs != nullptr) {
+    check_rank(op, "probs", *probs, 2);
+    check_dtype(op, "probs", *probs, at::kFloat);
+    check_cpu(op, "probs", *probs);
+    check_unit_stride(op, "probs", *probs);
+    check_size(op, "probs", *probs, 0, rows, "n, rows of logits");
+    check_size(op, "probs", *probs, 1, vocab, "V, columns of logits");
+  }
+
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  int64_t* out_data = out.data_ptr<int64_t>();
+  const void* base = logits.const_data_ptr();
+  const int64_t row_stride = logits.stride(0);
+  const float* temps = temperature.const_data_ptr<float>();
+  const int64_t* seed_data = seeds.const_data_ptr<int64_t>();
+  const int64_t* position_data = positions.const_data_ptr<int64_t>();
+  float* probs_data = probs == nullptr ? nullptr : probs->data_ptr<float>();
+  const int64_t probs_stride = probs == nullptr ? 0 : probs->stride(0);
+  const int64_t temp_s = temperature.stride(0), seed_s = seeds.stride(0), position_s = positions.stride(0);
+
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float t = temps[r * temp_s];
+      const bool is_random = t > 0.0f;
+      const int64_t row = r * row_stride;
+      const uint32_t state = row_state(seed_data[r * seed_s], position_data[r * position_s], kDraft);
+      // Greedy: argmax of the logits; random: argmax of the Gumbel keys z_v - log(E_v), z = x / T.
+      int64_t best = 0;
+      float best_key = -std::numeric_limits<float>::infinity();
+      bool first = true;
+      float z_max = -std::numeric_limits<float>::infinity();
+      for (int64_t v = 0; v < vocab; ++v) {
+        const float x = load_float(base, dtype, row + v);
+        float key = x;
+        if (is_random) {
+          const float z = x / t;
+          z_max = std::max(z_max, z);
+          key = z - std::log(exponential(draw_bits(state, static_cast<uint32_t>(v))));
+        }
+        if (first || key > best_key) {
+          best_key = key;
+          best = v;
+          first = false;
+        }
+      }
+      out_data[r] = best;
+      if (probs_data != nullptr) {
+        float* dst = probs_data + r * probs_stride;
+        if (is_random) {
+          float total = 0.0f;
+          for (int64_t v = 0; v < vocab; ++v) {
+            dst[v] = std::exp(load_float(base, dtype, row + v) / t - z_max);
+            total += dst[v];
+          }
+          const float inv_total = 1.0f / total;
+          for (int64_t v = 0; v < vocab; ++v) dst[v] *= inv_total;
+        } else {
+          for (int64_t v = 0; v < vocab; ++v) dst[v] = v == best ? 1.0f : 0.0f;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor sample_draft_cpu(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& seeds,
+                            const at::Tensor& positions) {
+  return sample_draft_impl(logits, temperature, seeds, positions, nullptr);
+}
+
+at::Tensor sample_draft_with_probs_cpu(const at::Tensor& logits, const at::Tensor& temperature,
+                                       const at::Tensor& seeds, const at::Tensor& positions, at::Tensor probs) {
+  return sample_draft_impl(logits, temperature, seeds, positions, &probs);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("rejection_sample", &rejection_sample_cpu);
+  m.impl("rejection_sample.counted", &rejection_sample_counted_cpu);
+  m.impl("sample_draft", &sample_draft_cpu);
+  m.impl("sample_draft.with_probs", &sample_draft_with_probs_cpu);
+}
+
+}  // namespace specdec
