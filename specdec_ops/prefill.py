@@ -42,12 +42,11 @@ out-of-range value (a slot past ``last_sampled``, ``num_rejected`` outside
 ``[0, query_len]``, a non-monotone ``query_start_loc``) is clamped so that no
 kernel reads or writes out of bounds, and the affected rows are unspecified.
 
-The CUDA kernel is one launch whose grid depends only on shapes (one program
-per row up to max_num_reqs, or more for a long padded token batch): program i
-writes request i's slots, looping for long prompts, and its per-request
-entries or padding entries; every program also zeroes one chunk of the slots
-past the last request. No host data, no sync: it can be captured in a CUDA
-graph.
+The CUDA kernel is one launch whose grid depends only on shapes: each program
+owns a tile of 16 rows (up to max_num_reqs) and writes their slots, looping
+for long prompts, and their per-request or padding entries; every program
+also zeroes one chunk of the slots past the last request. No host data, no
+sync: it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -276,9 +275,11 @@ def _prepare_prefill_into_fake(input_ids, positions, query_start_loc, seq_lens, 
 
 # --- Triton kernel ----------------------------------------------------------------------
 
-# Slots per vector op. Decode rounds have query_len + 1 = k + 2 slots or so; a long
-# prompt loops in its program. One warp per program keeps many programs resident.
-_BLOCK = 128
+# A program handles a tile of ROWS requests x SLOTS slots: a decode round has
+# query_len + 1 = k + 2 or so slots per request, one tile column pass; a long
+# prompt loops over its slots.
+_ROWS = 16
+_SLOTS = 32
 
 if HAS_TRITON:
 
@@ -295,55 +296,55 @@ if HAS_TRITON:
         last_sampled_ptr, num_rejected_ptr,
         out_ids_ptr, out_positions_ptr, out_last_ptr, out_qsl_ptr, out_seq_lens_ptr,
         num_tokens, num_reqs, num_slots, max_num_reqs, max_model_len,
-        BLOCK: tl.constexpr,
+        ROWS: tl.constexpr, SLOTS: tl.constexpr,
     ):
-        # Program `row` writes request row's slots and per-request entries (or the
-        # padding entries when row >= num_reqs), then zeroes one chunk of the slots
-        # past the last request. Every load it depends on is at most two deep.
-        row = tl.program_id(0)
+        # Program p owns rows [p * ROWS, (p + 1) * ROWS): their slots and per-request
+        # entries, or padding entries for rows >= num_reqs. Every load a store depends
+        # on is at most two deep, which is what bounds the latency of this kernel.
+        pid = tl.program_id(0)
         total = num_tokens + num_reqs
-        offsets = tl.arange(0, BLOCK)
-        if row < num_reqs:
-            raw_start = tl.load(query_start_loc_ptr + row).to(tl.int32)
-            q_start = tl.minimum(tl.maximum(raw_start, 0), num_tokens)
-            q_end = tl.load(query_start_loc_ptr + row + 1).to(tl.int32)
-            q_end = tl.minimum(tl.maximum(q_end, q_start), num_tokens)
-            query_len = q_end - q_start
-            rejected = tl.load(num_rejected_ptr + row).to(tl.int32)
-            num_valid = query_len - tl.minimum(tl.maximum(rejected, 0), query_len)
-            slot = tl.load(idx_mapping_ptr + row)
-            slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
-            correction = tl.load(last_sampled_ptr + slot).to(tl.int64)
-            start_pos = tl.load(positions_ptr + q_start, mask=query_len > 0, other=0).to(tl.int64)
-            out_start = raw_start + row
-            for first in range(0, query_len + 1, BLOCK):
-                s = first + offsets
-                j = out_start + s
-                in_slot = (s <= query_len) & (j >= 0) & (j < total)
-                token = tl.load(input_ids_ptr + q_start + s, mask=in_slot & (s < num_valid), other=0)
-                token = tl.where(s == num_valid, correction, token.to(tl.int64))
-                tl.store(out_ids_ptr + j, token.to(out_ids_ptr.dtype.element_ty), mask=in_slot)
-                tl.store(out_positions_ptr + j, tl.minimum(start_pos + s, max_model_len - 1), mask=in_slot)
-            seq_len = tl.load(seq_lens_ptr + row).to(tl.int64)
-            tl.store(out_last_ptr + row, (out_start + num_valid).to(tl.int64))
-            tl.store(out_qsl_ptr + row, out_start)
-            tl.store(out_seq_lens_ptr + row, tl.minimum(seq_len + 1, max_model_len).to(tl.int32))
-        else:
-            if row < max_num_reqs:
-                tl.store(out_last_ptr + row, tl.zeros([], dtype=tl.int64))
-                tl.store(out_seq_lens_ptr + row, tl.zeros([], dtype=tl.int32))
-            if row <= max_num_reqs:
-                tl.store(out_qsl_ptr + row, total)
+        rows = pid * ROWS + tl.arange(0, ROWS)
+        live = rows < num_reqs
+        raw_start = tl.load(query_start_loc_ptr + rows, mask=live, other=0).to(tl.int32)
+        q_start = tl.minimum(tl.maximum(raw_start, 0), num_tokens)
+        q_end = tl.load(query_start_loc_ptr + rows + 1, mask=live, other=0).to(tl.int32)
+        q_end = tl.minimum(tl.maximum(q_end, q_start), num_tokens)
+        query_len = q_end - q_start
+        rejected = tl.load(num_rejected_ptr + rows, mask=live, other=0).to(tl.int32)
+        num_valid = query_len - tl.minimum(tl.maximum(rejected, 0), query_len)
+        slot = tl.load(idx_mapping_ptr + rows, mask=live, other=0)
+        slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
+        correction = tl.load(last_sampled_ptr + slot, mask=live, other=0).to(tl.int64)
+        start_pos = tl.load(positions_ptr + q_start, mask=live & (query_len > 0), other=0).to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + rows, mask=live, other=0).to(tl.int64)
+        out_start = raw_start + rows
 
-        # Slots past query_start_loc[num_reqs] + num_reqs (a padded token batch):
-        # the grid has enough programs that these chunks cover them all.
+        tl.store(out_last_ptr + rows, tl.where(live, out_start + num_valid, 0).to(tl.int64), mask=rows < max_num_reqs)
+        tl.store(out_qsl_ptr + rows, tl.where(live, out_start, total), mask=rows <= max_num_reqs)
+        new_seq_len = tl.minimum(seq_len + 1, max_model_len).to(tl.int32)
+        tl.store(out_seq_lens_ptr + rows, tl.where(live, new_seq_len, 0), mask=rows < max_num_reqs)
+
+        # Slots of the tile's requests: [ROWS, SLOTS] at a time.
+        longest = tl.max(tl.where(live, query_len, -1), axis=0)
+        for first in range(0, longest + 1, SLOTS):
+            s = first + tl.arange(0, SLOTS)[None, :]
+            j = out_start[:, None] + s
+            in_slot = live[:, None] & (s <= query_len[:, None]) & (j >= 0) & (j < total)
+            accepted = in_slot & (s < num_valid[:, None])
+            token = tl.load(input_ids_ptr + q_start[:, None] + s, mask=accepted, other=0).to(tl.int64)
+            token = tl.where(s == num_valid[:, None], correction[:, None], token)
+            position = tl.minimum(start_pos[:, None] + s, max_model_len - 1)
+            tl.store(out_ids_ptr + j, token.to(out_ids_ptr.dtype.element_ty), mask=in_slot)
+            tl.store(out_positions_ptr + j, position, mask=in_slot)
+
+        # Slots past query_start_loc[num_reqs] + num_reqs (a padded token batch): the
+        # grid has enough programs that these chunks cover them all.
         tail_start = tl.load(query_start_loc_ptr + num_reqs).to(tl.int32) + num_reqs
         tail_start = tl.minimum(tl.maximum(tail_start, 0), total)
-        j = tail_start + row * BLOCK + offsets
+        j = tail_start + pid * (ROWS * SLOTS) + tl.arange(0, ROWS * SLOTS)
         in_tail = j < total
-        tl.store(out_ids_ptr + j, tl.zeros([BLOCK], dtype=out_ids_ptr.dtype.element_ty), mask=in_tail)
-        tl.store(out_positions_ptr + j, tl.zeros([BLOCK], dtype=tl.int64), mask=in_tail)
-
+        tl.store(out_ids_ptr + j, tl.zeros([ROWS * SLOTS], dtype=out_ids_ptr.dtype.element_ty), mask=in_tail)
+        tl.store(out_positions_ptr + j, tl.zeros([ROWS * SLOTS], dtype=tl.int64), mask=in_tail)
 
     _launch_kernel = CachedLaunch(_prepare_prefill_kernel)
 
@@ -354,14 +355,14 @@ def _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_s
     num_tokens = input_ids.shape[0]
     num_reqs = query_start_loc.shape[0] - 1
     max_num_reqs = out_last.shape[0]
-    grid = (max(max_num_reqs + 1, triton.cdiv(num_tokens + num_reqs, _BLOCK)),)
+    grid = (max(triton.cdiv(max_num_reqs + 1, _ROWS), triton.cdiv(num_tokens + num_reqs, _ROWS * _SLOTS)),)
     _launch_kernel(
         grid,
         (input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
          out_ids, out_positions, out_last, out_qsl, out_seq_lens,
          num_tokens, num_reqs, max(last_sampled.shape[0], 1), max_num_reqs, max_model_len),
-        (_BLOCK,),
-        num_warps=1,
+        (_ROWS, _SLOTS),
+        num_warps=4,
     )
 
 
