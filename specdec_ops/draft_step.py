@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import INT_DTYPES, check_size, check_tensor
+from ._launch import CachedLaunch
 from ._library import register_cuda, register_fake
 from ._triton import HAS_TRITON, tl, triton
 
@@ -50,7 +51,7 @@ def advance_draft_step(
     max_model_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (input_ids, next_positions, next_seq_lens); see the module docstring."""
-    return torch.ops.specdec.advance_draft_step(sampled_token_ids, positions, seq_lens, max_model_len)
+    return torch.ops.specdec.advance_draft_step.default(sampled_token_ids, positions, seq_lens, max_model_len)
 
 
 def advance_draft_step_reference(
@@ -97,7 +98,11 @@ _BLOCK = 1024
 
 if HAS_TRITON:
 
-    @triton.jit
+    @triton.jit(
+        do_not_specialize=["n", "max_model_len"],
+        do_not_specialize_on_alignment=["sampled_ptr", "positions_ptr", "seq_lens_ptr", "out_ids_ptr",
+                                        "out_positions_ptr", "out_seq_lens_ptr"],
+    )
     def _advance_draft_step_kernel(
         sampled_ptr, positions_ptr, seq_lens_ptr,
         out_ids_ptr, out_positions_ptr, out_seq_lens_ptr,
@@ -115,15 +120,16 @@ if HAS_TRITON:
         next_seq_len = tl.minimum(seq_len + 1, max_model_len)
         tl.store(out_seq_lens_ptr + i, next_seq_len.to(out_seq_lens_ptr.dtype.element_ty), mask=live)
 
+    _launch_kernel = CachedLaunch(_advance_draft_step_kernel)
+
 
 def _advance_draft_step_triton(sampled_token_ids, positions, seq_lens, max_model_len):
     _check_inputs(sampled_token_ids, positions, seq_lens, max_model_len)
     outputs = _empty_outputs(sampled_token_ids, positions, seq_lens)
     n = sampled_token_ids.shape[0]
     if n > 0:
-        _advance_draft_step_kernel[(triton.cdiv(n, _BLOCK),)](
-            sampled_token_ids, positions, seq_lens, *outputs, n, max_model_len, BLOCK=_BLOCK,
-        )
+        _launch_kernel((triton.cdiv(n, _BLOCK),),
+                       (sampled_token_ids, positions, seq_lens, *outputs, n, max_model_len), (_BLOCK,))
     return outputs
 
 
