@@ -4,8 +4,40 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <type_traits>
 
 namespace specdec {
+
+// Error messages are assembled with std::to_string rather than through an
+// ostream: on the H200 image, streaming a number from this library's own code
+// into TORCH_CHECK's message crashed the process inside pytest.
+namespace detail {
+inline void append(std::string& out, const char* text) { out += text; }
+inline void append(std::string& out, const std::string& text) { out += text; }
+inline void append(std::string& out, c10::IntArrayRef sizes) {
+  out += "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += std::to_string(sizes[i]);
+  }
+  out += "]";
+}
+inline void append(std::string& out, const c10::Device& device) { out += device.str(); }
+template <typename T, typename = std::enable_if_t<std::is_arithmetic_v<T>>>
+inline void append(std::string& out, T value) {
+  out += std::to_string(value);
+}
+}  // namespace detail
+
+template <typename... Args>
+std::string message(const Args&... args) {
+  std::string out;
+  (detail::append(out, args), ...);
+  return out;
+}
+
+// TORCH_CHECK_VALUE (raises a Python ValueError) with a message built by message().
+#define SPECDEC_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, ::specdec::message(__VA_ARGS__))
 
 // The name Python users know a dtype by (torch.int64 -> "int64").
 inline std::string dtype_name(at::ScalarType t) {
@@ -25,33 +57,33 @@ inline std::string dtype_name(at::ScalarType t) {
 }
 
 inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t ndim) {
-  TORCH_CHECK_VALUE(t.dim() == ndim, op, ": argument '", name, "' must be ", ndim, "-D, got shape ",
+  SPECDEC_CHECK(t.dim() == ndim, op, ": argument '", name, "' must be ", ndim, "-D, got shape ",
                     t.sizes());
 }
 
 inline void check_int_dtype(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, ": argument '",
+  SPECDEC_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, ": argument '",
                     name, "' must have dtype int32 or int64, got ", dtype_name(t.scalar_type()));
 }
 
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(t.scalar_type() == dtype, op, ": argument '", name, "' must have dtype ",
+  SPECDEC_CHECK(t.scalar_type() == dtype, op, ": argument '", name, "' must have dtype ",
                     dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
 }
 
 inline void check_cpu(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": argument '", name, "' is on ", t.device(),
+  SPECDEC_CHECK(t.device().is_cpu(), op, ": argument '", name, "' is on ", t.device(),
                     ", expected cpu like the other inputs");
 }
 
 inline void check_unit_stride(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.dim() == 0 || t.numel() <= 1 || t.stride(-1) == 1, op, ": argument '", name,
+  SPECDEC_CHECK(t.dim() == 0 || t.numel() <= 1 || t.stride(-1) == 1, op, ": argument '", name,
                     "' must have a unit stride in its last dimension");
 }
 
 inline void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim,
                        int64_t expected, const char* meaning) {
-  TORCH_CHECK_VALUE(t.size(dim) == expected, op, ": argument '", name, "' has size ", t.size(dim),
+  SPECDEC_CHECK(t.size(dim) == expected, op, ": argument '", name, "' has size ", t.size(dim),
                     " in dimension ", dim, ", expected ", expected, " (", meaning, "); shape ",
                     t.sizes());
 }

@@ -33,9 +33,9 @@ at::Tensor create_output_impl(const at::Tensor& accepted_in, const at::Tensor& s
   check_rank(kOp, "accepted", accepted_in, 2);
   check_rank(kOp, "substitute_token_ids", substitute_in, 2);
   check_rank(kOp, "draft_token_ids", draft_in, 2);
-  TORCH_CHECK_VALUE(bonus_in.dim() == 1 || (bonus_in.dim() == 2 && bonus_in.size(1) == 1), kOp,
+  SPECDEC_CHECK(bonus_in.dim() == 1 || (bonus_in.dim() == 2 && bonus_in.size(1) == 1), kOp,
                     ": argument 'bonus_token_ids' must have shape [B, 1] or [B], got shape ", bonus_in.sizes());
-  TORCH_CHECK_VALUE(is_index_dtype(accepted_in.scalar_type()), kOp,
+  SPECDEC_CHECK(is_index_dtype(accepted_in.scalar_type()), kOp,
                     ": argument 'accepted' must have dtype bool or an integer dtype, got ",
                     dtype_name(accepted_in.scalar_type()));
   check_int_dtype(kOp, "substitute_token_ids", substitute_in);
@@ -48,7 +48,7 @@ at::Tensor create_output_impl(const at::Tensor& accepted_in, const at::Tensor& s
   for (const auto& [name, t] : args) check_cpu(kOp, name, *t);
   const int64_t batch = draft_in.size(0);
   const int64_t k = draft_in.size(1);
-  TORCH_CHECK_VALUE(k >= 1, kOp, ": argument 'draft_token_ids' must have k >= 1 columns, got shape ",
+  SPECDEC_CHECK(k >= 1, kOp, ": argument 'draft_token_ids' must have k >= 1 columns, got shape ",
                     draft_in.sizes());
   check_size(kOp, "accepted", accepted_in, 0, batch, "B, rows of draft_token_ids");
   check_size(kOp, "accepted", accepted_in, 1, k, "k, columns of draft_token_ids");
@@ -58,7 +58,7 @@ at::Tensor create_output_impl(const at::Tensor& accepted_in, const at::Tensor& s
   if (counters != nullptr) {
     check_cpu(kOp, "counters", *counters);
     check_dtype(kOp, "counters", *counters, at::kLong);
-    TORCH_CHECK_VALUE(counters->dim() == 1 && counters->size(0) == 3 && counters->is_contiguous(), kOp,
+    SPECDEC_CHECK(counters->dim() == 1 && counters->size(0) == 3 && counters->is_contiguous(), kOp,
                       ": argument 'counters' must be a contiguous int64 tensor of shape [3], got shape ",
                       counters->sizes());
   }

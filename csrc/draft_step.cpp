@@ -38,7 +38,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> advance_draft_step_cpu(const at::
   const int64_t n = sampled_token_ids.size(0);
   check_size(kOp, "positions", positions, 0, n, "n, the length of sampled_token_ids");
   check_size(kOp, "seq_lens", seq_lens, 0, n, "n, the length of sampled_token_ids");
-  TORCH_CHECK_VALUE(max_model_len >= 1, kOp, ": argument 'max_model_len' must be >= 1, got ", max_model_len);
+  SPECDEC_CHECK(max_model_len >= 1, kOp, ": argument 'max_model_len' must be >= 1, got ", max_model_len);
 
   at::Tensor input_ids = at::empty({n}, sampled_token_ids.options().dtype(at::kInt));
   at::Tensor next_positions = at::empty({n}, positions.options());

@@ -30,14 +30,14 @@ void check_inputs(const at::Tensor& input_ids, const at::Tensor& positions,
     check_unit_stride(kOp, name, *t);
   }
   const int64_t num_reqs = query_start_loc.size(0) - 1;
-  TORCH_CHECK_VALUE(num_reqs >= 0, kOp, ": argument 'query_start_loc' must have num_reqs + 1 >= 1 entries, got 0");
+  SPECDEC_CHECK(num_reqs >= 0, kOp, ": argument 'query_start_loc' must have num_reqs + 1 >= 1 entries, got 0");
   check_size(kOp, "positions", positions, 0, input_ids.size(0), "num_tokens, the length of input_ids");
   check_size(kOp, "seq_lens", seq_lens, 0, num_reqs, "num_reqs, len(query_start_loc) - 1");
   check_size(kOp, "idx_mapping", idx_mapping, 0, num_reqs, "num_reqs, len(query_start_loc) - 1");
   check_size(kOp, "num_rejected", num_rejected, 0, num_reqs, "num_reqs, len(query_start_loc) - 1");
-  TORCH_CHECK_VALUE(num_reqs == 0 || last_sampled.size(0) >= 1, kOp,
+  SPECDEC_CHECK(num_reqs == 0 || last_sampled.size(0) >= 1, kOp,
                     ": argument 'last_sampled' must hold one token per request slot, got 0 entries");
-  TORCH_CHECK_VALUE(max_model_len >= 1, kOp, ": argument 'max_model_len' must be >= 1, got ", max_model_len);
+  SPECDEC_CHECK(max_model_len >= 1, kOp, ": argument 'max_model_len' must be >= 1, got ", max_model_len);
 }
 
 void run_cpu(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& query_start_loc,
@@ -125,11 +125,11 @@ void prepare_prefill_into_cpu(const at::Tensor& input_ids, const at::Tensor& pos
   check_dtype(op, "expanded_query_start_loc", expanded_query_start_loc, at::kInt);
   check_dtype(op, "expanded_seq_lens", expanded_seq_lens, at::kInt);
   const int64_t max_num_reqs = last_token_indices.size(0);
-  TORCH_CHECK_VALUE(expanded_input_ids.size(0) >= total, op, ": argument 'expanded_input_ids' has ",
+  SPECDEC_CHECK(expanded_input_ids.size(0) >= total, op, ": argument 'expanded_input_ids' has ",
                     expanded_input_ids.size(0), " entries, expected at least num_tokens + num_reqs = ", total);
-  TORCH_CHECK_VALUE(expanded_positions.size(0) >= total, op, ": argument 'expanded_positions' has ",
+  SPECDEC_CHECK(expanded_positions.size(0) >= total, op, ": argument 'expanded_positions' has ",
                     expanded_positions.size(0), " entries, expected at least num_tokens + num_reqs = ", total);
-  TORCH_CHECK_VALUE(max_num_reqs >= num_reqs, op, ": argument 'last_token_indices' has ", max_num_reqs,
+  SPECDEC_CHECK(max_num_reqs >= num_reqs, op, ": argument 'last_token_indices' has ", max_num_reqs,
                     " entries (max_num_reqs), expected at least num_reqs = ", num_reqs);
   check_size(op, "expanded_seq_lens", expanded_seq_lens, 0, max_num_reqs,
              "max_num_reqs, the length of last_token_indices");
@@ -148,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_p
                max_model_len);
   const int64_t num_reqs = query_start_loc.size(0) - 1;
   const int64_t padded_reqs = max_num_reqs.value_or(num_reqs);
-  TORCH_CHECK_VALUE(padded_reqs >= num_reqs, kOp, ": argument 'max_num_reqs' must be >= num_reqs = ", num_reqs,
+  SPECDEC_CHECK(padded_reqs >= num_reqs, kOp, ": argument 'max_num_reqs' must be >= num_reqs = ", num_reqs,
                     ", got ", padded_reqs);
   const int64_t total = input_ids.size(0) + num_reqs;
   auto opts = input_ids.options();

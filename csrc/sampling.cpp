@@ -90,7 +90,7 @@ inline void store_int(at::Tensor& t, int64_t idx, int64_t v) {
 bool is_prob_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
 void check_prob_dtype(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(is_prob_dtype(t.scalar_type()), op, ": argument '", name,
+  SPECDEC_CHECK(is_prob_dtype(t.scalar_type()), op, ": argument '", name,
                     "' must have dtype float32 or float16 or bfloat16, got ", dtype_name(t.scalar_type()));
 }
 
@@ -131,9 +131,9 @@ at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& dra
   const int64_t batch = target.size(0);
   const int64_t k = target.size(1) - 1;
   const int64_t vocab = target.size(2);
-  TORCH_CHECK_VALUE(k >= 1, op, ": argument 'target_probs' must have k+1 >= 2 positions in dimension 1, got shape ",
+  SPECDEC_CHECK(k >= 1, op, ": argument 'target_probs' must have k+1 >= 2 positions in dimension 1, got shape ",
                     target.sizes());
-  TORCH_CHECK_VALUE(vocab >= 1, op, ": argument 'target_probs' must have a vocabulary of V >= 1, got shape ",
+  SPECDEC_CHECK(vocab >= 1, op, ": argument 'target_probs' must have a vocabulary of V >= 1, got shape ",
                     target.sizes());
   check_rank(op, "draft_token_ids", draft, 2);
   check_int_dtype(op, "draft_token_ids", draft);
@@ -155,7 +155,7 @@ at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& dra
   check_1d_int64(op, "offsets", offsets, batch, "B, rows of target_probs");
   if (bonus.has_value()) {
     const at::Tensor& t = *bonus;
-    TORCH_CHECK_VALUE(t.dim() == 1 || (t.dim() == 2 && t.size(1) == 1), op,
+    SPECDEC_CHECK(t.dim() == 1 || (t.dim() == 2 && t.size(1) == 1), op,
                       ": argument 'bonus_token_ids' must have shape [B, 1] or [B], got shape ", t.sizes());
     check_int_dtype(op, "bonus_token_ids", t);
     check_cpu(op, "bonus_token_ids", t);
@@ -164,7 +164,7 @@ at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& dra
   if (counters != nullptr) {
     check_cpu(op, "counters", *counters);
     check_dtype(op, "counters", *counters, at::kLong);
-    TORCH_CHECK_VALUE(counters->dim() == 1 && counters->size(0) == 3 && counters->is_contiguous(), op,
+    SPECDEC_CHECK(counters->dim() == 1 && counters->size(0) == 3 && counters->is_contiguous(), op,
                       ": argument 'counters' must be a contiguous int64 tensor of shape [3], got shape ",
                       counters->sizes());
   }
@@ -269,14 +269,14 @@ at::Tensor sample_draft_impl(const at::Tensor& logits, const at::Tensor& tempera
   const char* op = probs == nullptr ? "sample_draft" : "sample_draft.with_probs";
   check_rank(op, "logits", logits, 2);
   const at::ScalarType dtype = logits.scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble, op,
+  SPECDEC_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble, op,
                     ": argument 'logits' must have dtype float16 or bfloat16 or float32 or float64, got ",
                     dtype_name(dtype));
   check_cpu(op, "logits", logits);
   check_unit_stride(op, "logits", logits);
   const int64_t rows = logits.size(0);
   const int64_t vocab = logits.size(1);
-  TORCH_CHECK_VALUE(vocab >= 1, op, ": argument 'logits' must have a vocabulary of V >= 1, got shape ",
+  SPECDEC_CHECK(vocab >= 1, op, ": argument 'logits' must have a vocabulary of V >= 1, got shape ",
                     logits.sizes());
   check_rank(op, "temperature", temperature, 1);
   check_dtype(op, "temperature", temperature, at::kFloat);
