@@ -159,6 +159,10 @@ def main() -> int:
         speedup = eager_ms / graph_ms
         if num_reqs <= 8:
             target = f"speedup >= 5x: {'met' if speedup >= 5 else 'MISSED'}"
+        elif num_reqs >= 64 and share < 0:
+            # The separately compiled forwards-only graph ran slower than the whole propose graph, so
+            # the difference does not measure the non-model time.
+            target = "non-model < 10%: inconclusive"
         elif num_reqs >= 64:
             target = f"non-model < 10%: {'met' if share < 0.10 else 'MISSED'}"
         else:

@@ -1,0 +1,51 @@
+"""Host overhead floor on this machine: an empty Triton launch and a one-op torch call (needs CUDA).
+
+The eager columns of the other benchmarks are bounded by this, not by the kernels.
+
+    python scripts/bench_launch.py
+"""
+import statistics
+import sys
+import time
+
+import torch
+
+
+def eager_us(fn, iters=2000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / iters * 1e6)
+    return statistics.median(samples)
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("bench_launch.py needs a CUDA device; nothing measured.")
+        return 0
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def empty_kernel(a, b, c, d, e, f, g, h, i, j, k, l, n1, n2, n3, n4, n5, BLOCK: tl.constexpr):
+        pass
+
+    tensors = [torch.zeros(8, device="cuda") for _ in range(12)]
+    x = torch.zeros(3, device="cuda", dtype=torch.long)
+    print("| what | eager us per call |")
+    print("|---|---:|")
+    print(f"| empty Triton kernel, 17 args, kernel[grid](...) | "
+          f"{eager_us(lambda: empty_kernel[(65,)](*tensors, 1, 2, 3, 4, 5, BLOCK=128, num_warps=1)):.1f} |")
+    print(f"| x.add_(1) on a CUDA tensor | {eager_us(lambda: x.add_(1)):.1f} |")
+    print(f"| torch.empty(5, device='cuda') | {eager_us(lambda: torch.empty(5, device='cuda')):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
