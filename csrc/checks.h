@@ -88,7 +88,33 @@ inline void check_size(const char* op, const char* name, const at::Tensor& t, in
                     t.sizes());
 }
 
-// Reads element i of a 1-D int32/int64 tensor as int64.
+// The int64 [3] (accepted, emitted, proposed) statistics of the .counted overloads.
+inline void check_counters(const char* op, const at::Tensor& counters) {
+  check_rank(op, "counters", counters, 1);
+  check_dtype(op, "counters", counters, at::kLong);
+  check_cpu(op, "counters", counters);
+  check_unit_stride(op, "counters", counters);
+  check_size(op, "counters", counters, 0, 3, "accepted, emitted, proposed");
+}
+
+inline void add_counters(at::Tensor& counters, int64_t accepted, int64_t emitted, int64_t proposed) {
+  int64_t* c = counters.data_ptr<int64_t>();
+  c[0] += accepted;
+  c[1] += emitted;
+  c[2] += proposed;
+}
+
+// Writes v into element i of an int32/int64 tensor, narrowing to its dtype.
+inline void store_int(at::Tensor& t, int64_t i, int64_t v) {
+  if (t.scalar_type() == at::kInt) {
+    t.data_ptr<int32_t>()[i] = static_cast<int32_t>(v);
+  } else {
+    t.data_ptr<int64_t>()[i] = v;
+  }
+}
+
+// Reads the int32/int64 element at flat offset i from t's data pointer as int64
+// (strided readers compute i from the strides).
 inline int64_t load_int(const at::Tensor& t, int64_t i) {
   return t.scalar_type() == at::kInt ? static_cast<int64_t>(t.const_data_ptr<int32_t>()[i])
                                      : t.const_data_ptr<int64_t>()[i];

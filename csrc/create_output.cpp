@@ -46,6 +46,10 @@ at::Tensor create_output_impl(const at::Tensor& accepted_in, const at::Tensor& s
                                                             {"draft_token_ids", &draft_in},
                                                             {"bonus_token_ids", &bonus_in}};
   for (const auto& [name, t] : args) check_cpu(kOp, name, *t);
+  // The kernels read the bonus by its row stride; the [B, k] inputs need a unit stride along k.
+  check_unit_stride(kOp, "accepted", accepted_in);
+  check_unit_stride(kOp, "substitute_token_ids", substitute_in);
+  check_unit_stride(kOp, "draft_token_ids", draft_in);
   const int64_t batch = draft_in.size(0);
   const int64_t k = draft_in.size(1);
   SPECDEC_CHECK(k >= 1, kOp, ": argument 'draft_token_ids' must have k >= 1 columns, got shape ",
@@ -55,13 +59,7 @@ at::Tensor create_output_impl(const at::Tensor& accepted_in, const at::Tensor& s
   check_size(kOp, "substitute_token_ids", substitute_in, 0, batch, "B, rows of draft_token_ids");
   check_size(kOp, "substitute_token_ids", substitute_in, 1, k, "k, columns of draft_token_ids");
   check_size(kOp, "bonus_token_ids", bonus_in, 0, batch, "B, rows of draft_token_ids");
-  if (counters != nullptr) {
-    check_cpu(kOp, "counters", *counters);
-    check_dtype(kOp, "counters", *counters, at::kLong);
-    SPECDEC_CHECK(counters->dim() == 1 && counters->size(0) == 3 && counters->is_contiguous(), kOp,
-                      ": argument 'counters' must be a contiguous int64 tensor of shape [3], got shape ",
-                      counters->sizes());
-  }
+  if (counters != nullptr) check_counters(kOp, *counters);
 
   const at::Tensor accepted = accepted_in.contiguous();
   const at::Tensor substitute = substitute_in.contiguous();
@@ -71,13 +69,6 @@ at::Tensor create_output_impl(const at::Tensor& accepted_in, const at::Tensor& s
 
   int64_t num_accepted = 0;
   int64_t num_emitted = 0;
-  auto store = [&](int64_t idx, int64_t v) {
-    if (out.scalar_type() == at::kInt) {
-      out.data_ptr<int32_t>()[idx] = static_cast<int32_t>(v);
-    } else {
-      out.data_ptr<int64_t>()[idx] = v;
-    }
-  };
   for (int64_t b = 0; b < batch; ++b) {
     int64_t first_rejected = k;
     for (int64_t j = 0; j < k; ++j) {
@@ -92,22 +83,17 @@ at::Tensor create_output_impl(const at::Tensor& accepted_in, const at::Tensor& s
       } else if (j == first_rejected) {
         v = load_int(substitute, b * k + j);
       }
-      store(b * (k + 1) + j, v);
+      store_int(out, b * (k + 1) + j, v);
       num_emitted += v != -1;
     }
     // As in the seed: the bonus goes out only if the last draft column holds
     // an accepted token (an accepted draft id of -1 emits no bonus).
     const bool all_accepted = first_rejected == k && load_int(draft, b * k + k - 1) != -1;
     const int64_t bonus_val = all_accepted ? load_int(bonus, b) : -1;
-    store(b * (k + 1) + k, bonus_val);
+    store_int(out, b * (k + 1) + k, bonus_val);
     num_emitted += bonus_val != -1;
   }
-  if (counters != nullptr) {
-    int64_t* c = counters->data_ptr<int64_t>();
-    c[0] += num_accepted;
-    c[1] += num_emitted;
-    c[2] += batch * k;
-  }
+  if (counters != nullptr) add_counters(*counters, num_accepted, num_emitted, batch * k);
   return out;
 }
 

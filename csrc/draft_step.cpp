@@ -14,15 +14,6 @@ namespace {
 
 constexpr const char* kOp = "advance_draft_step";
 
-// Writes v into element i of a 1-D int32/int64 tensor, narrowing to its dtype.
-inline void store_int(at::Tensor& t, int64_t i, int64_t v) {
-  if (t.scalar_type() == at::kInt) {
-    t.data_ptr<int32_t>()[i] = static_cast<int32_t>(v);
-  } else {
-    t.data_ptr<int64_t>()[i] = v;
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> advance_draft_step_cpu(const at::Tensor& sampled_token_ids,
                                                                       const at::Tensor& positions,
                                                                       const at::Tensor& seq_lens,

@@ -54,19 +54,11 @@ void run_cpu(const at::Tensor& input_ids, const at::Tensor& positions, const at:
   int64_t* last = out_last.data_ptr<int64_t>();
   int32_t* qsl_out = out_qsl.data_ptr<int32_t>();
   int32_t* seq_out = out_seq_lens.data_ptr<int32_t>();
-  // Token ids keep the caller's dtype; write through int64 and narrow.
-  auto store_id = [&](int64_t j, int64_t v) {
-    if (out_ids.scalar_type() == at::kInt) {
-      out_ids.data_ptr<int32_t>()[j] = static_cast<int32_t>(v);
-    } else {
-      out_ids.data_ptr<int64_t>()[j] = v;
-    }
-  };
 
   // Slots no request covers (batch padding past query_start_loc[num_reqs])
   // hold token 0 at position 0.
   for (int64_t j = 0; j < total; ++j) {
-    store_id(j, 0);
+    store_int(out_ids, j, 0);
     pos[j] = 0;
   }
   for (int64_t i = 0; i < num_reqs; ++i) {
@@ -83,7 +75,7 @@ void run_cpu(const at::Tensor& input_ids, const at::Tensor& positions, const at:
     for (int64_t s = 0; s <= query_len; ++s) {
       const int64_t j = out_start + s;
       if (j < 0 || j >= total) continue;
-      store_id(j, s < num_valid ? load_int(input_ids, q_start + s) : (s == num_valid ? correction : 0));
+      store_int(out_ids, j, s < num_valid ? load_int(input_ids, q_start + s) : (s == num_valid ? correction : 0));
       pos[j] = std::min(start_pos + s, max_model_len - 1);
     }
     last[i] = out_start + num_valid;

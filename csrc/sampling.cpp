@@ -74,19 +74,6 @@ inline float load_float(const void* base, at::ScalarType dtype, int64_t idx) {
   }
 }
 
-inline int64_t load_strided_int(const at::Tensor& t, int64_t offset) {
-  return t.scalar_type() == at::kInt ? static_cast<int64_t>(t.const_data_ptr<int32_t>()[offset])
-                                     : t.const_data_ptr<int64_t>()[offset];
-}
-
-inline void store_int(at::Tensor& t, int64_t idx, int64_t v) {
-  if (t.scalar_type() == at::kInt) {
-    t.data_ptr<int32_t>()[idx] = static_cast<int32_t>(v);
-  } else {
-    t.data_ptr<int64_t>()[idx] = v;
-  }
-}
-
 bool is_prob_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
 void check_prob_dtype(const char* op, const char* name, const at::Tensor& t) {
@@ -161,13 +148,7 @@ at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& dra
     check_cpu(op, "bonus_token_ids", t);
     check_size(op, "bonus_token_ids", t, 0, batch, "B, rows of target_probs");
   }
-  if (counters != nullptr) {
-    check_cpu(op, "counters", *counters);
-    check_dtype(op, "counters", *counters, at::kLong);
-    SPECDEC_CHECK(counters->dim() == 1 && counters->size(0) == 3 && counters->is_contiguous(), op,
-                      ": argument 'counters' must be a contiguous int64 tensor of shape [3], got shape ",
-                      counters->sizes());
-  }
+  if (counters != nullptr) check_counters(op, *counters);
 
   at::Tensor out = at::empty({batch, k + 1}, draft.options());
   // Strided access throughout: an expanded input (batch stride 0) is never materialized.
@@ -191,7 +172,7 @@ at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& dra
       const int64_t offset = offset_data[b * offset_s];
       int64_t first_rejected = k;
       for (int64_t i = 0; i < k; ++i) {
-        const int64_t x = load_strided_int(draft, b * d_sb + i);
+        const int64_t x = load_int(draft, b * d_sb + i);
         bool accepted = false;
         if (x >= 0 && x < vocab) {
           const float p_x = load_float(p_base, p_dtype, b * p_sb + i * p_si + x);
@@ -208,7 +189,7 @@ at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& dra
         const uint32_t state = row_state(seed, offset + j, j < k ? kResidual : kBonus);
         const int64_t p_row = b * p_sb + j * p_si;
         const int64_t q_row = b * q_sb + j * q_si;
-        const int64_t x_j = j < k ? load_strided_int(draft, b * d_sb + j) : -1;
+        const int64_t x_j = j < k ? load_int(draft, b * d_sb + j) : -1;
         auto residual = [&](int64_t v) {
           float q = 0.0f;
           if (j < k) q = has_q ? load_float(q_base, q_dtype, q_row + v) : (v == x_j ? 1.0f : 0.0f);
@@ -223,7 +204,7 @@ at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& dra
       for (int64_t c = 0; c < k; ++c) {
         int64_t v = -1;
         if (c < j) {
-          v = load_strided_int(draft, b * d_sb + c);
+          v = load_int(draft, b * d_sb + c);
         } else if (c == j) {
           v = token;
         }
@@ -231,19 +212,14 @@ at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& dra
         local_emitted += v != -1;
       }
       int64_t bonus_token = -1;
-      if (j == k) bonus_token = bonus.has_value() ? load_strided_int(*bonus, b * bonus->stride(0)) : token;
+      if (j == k) bonus_token = bonus.has_value() ? load_int(*bonus, b * bonus->stride(0)) : token;
       store_int(out, b * (k + 1) + k, bonus_token);
       local_emitted += bonus_token != -1;
     }
     num_accepted += local_accepted;
     num_emitted += local_emitted;
   });
-  if (counters != nullptr) {
-    int64_t* c = counters->data_ptr<int64_t>();
-    c[0] += num_accepted.load();
-    c[1] += num_emitted.load();
-    c[2] += batch * k;
-  }
+  if (counters != nullptr) add_counters(*counters, num_accepted.load(), num_emitted.load(), batch * k);
   return out;
 }
 

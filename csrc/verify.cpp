@@ -42,13 +42,7 @@ void check_inputs(const char* op, const char* target_name, const at::Tensor& tar
   check_size(op, target_name, target, 1, k + 1, "k + 1, one more than the columns of draft_token_ids");
   SPECDEC_CHECK(target.size(2) >= 1, op, ": argument '", target_name,
                     "' must have a vocabulary of V >= 1 entries, got shape ", target.sizes());
-  if (counters != nullptr) {
-    check_rank(op, "counters", *counters, 1);
-    check_dtype(op, "counters", *counters, at::kLong);
-    check_cpu(op, "counters", *counters);
-    check_unit_stride(op, "counters", *counters);
-    check_size(op, "counters", *counters, 0, 3, "accepted, emitted, proposed");
-  }
+  if (counters != nullptr) check_counters(op, *counters);
 }
 
 // Index of the first NaN, else of the first largest value (torch.argmax).
@@ -134,13 +128,6 @@ at::Tensor verify_impl(const char* op, const char* target_name, const at::Tensor
   });
 
   at::Tensor out = at::empty({batch, k + 1}, draft.options());
-  auto store = [&](int64_t idx, int64_t v) {
-    if (out.scalar_type() == at::kInt) {
-      out.data_ptr<int32_t>()[idx] = static_cast<int32_t>(v);
-    } else {
-      out.data_ptr<int64_t>()[idx] = v;
-    }
-  };
   const int64_t draft_stride = draft.stride(0);
   int64_t num_accepted = 0;
   int64_t num_emitted = 0;
@@ -159,16 +146,11 @@ at::Tensor verify_impl(const char* op, const char* target_name, const at::Tensor
       } else if (i == first_rejected) {
         v = argmax[b * (k + 1) + i];
       }
-      store(b * (k + 1) + i, v);
+      store_int(out, b * (k + 1) + i, v);
     }
     num_emitted += first_rejected + 1;
   }
-  if (counters != nullptr) {
-    int64_t* c = counters->data_ptr<int64_t>();
-    c[0] += num_accepted;
-    c[1] += num_emitted;
-    c[2] += batch * k;
-  }
+  if (counters != nullptr) add_counters(*counters, num_accepted, num_emitted, batch * k);
   return out;
 }
 

@@ -13,7 +13,6 @@ import torch
 
 INT_DTYPES = (torch.int32, torch.int64)
 INDEX_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _dtype_names(dtypes: Sequence[torch.dtype]) -> str:
@@ -59,6 +58,7 @@ def check_size(op: str, name: str, t: torch.Tensor, dim: int, expected: int, mea
         )
 
 
-def check_contiguous(op: str, name: str, t: torch.Tensor) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"{op}: argument '{name}' must be contiguous")
+def check_counters(op: str, counters: torch.Tensor, device: torch.device) -> None:
+    """The int64 [3] (accepted, emitted, proposed) statistics of the .counted overloads."""
+    check_tensor(op, "counters", counters, ndim=1, dtypes=(torch.int64,), device=device)
+    check_size(op, "counters", counters, 0, 3, "accepted, emitted, proposed")

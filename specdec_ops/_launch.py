@@ -22,8 +22,9 @@ class CachedLaunch:
 
     def __call__(self, grid, args, constexprs=(), **options):
         """Launches kernel[grid](*args, *constexprs, **options); constexprs are the trailing parameters."""
+        # Triton passes an int as i32 when it fits and as i64 otherwise: part of the key.
         key = (args[0].device.index, constexprs) + tuple(
-            a.dtype if isinstance(a, torch.Tensor) else None for a in args
+            a.dtype if isinstance(a, torch.Tensor) else -(2**31) <= a < 2**31 for a in args
         )
         binary = self.binaries.get(key)
         if binary is not None:

@@ -16,8 +16,9 @@ produces, so they all feed the same bookkeeping.
 
 Inputs: ``accepted`` [B, k] bool or any integer dtype (nonzero = accepted);
 ``substitute_token_ids`` and ``draft_token_ids`` [B, k] int32 or int64;
-``bonus_token_ids`` [B, 1] or [B] int32 or int64; k >= 1. Each with a unit
-stride in its last dimension. The output has the dtype of ``draft_token_ids``.
+``bonus_token_ids`` [B, 1] or [B] int32 or int64, any row stride; k >= 1.
+The [B, k] inputs need a unit stride in their last dimension. The output has
+the dtype of ``draft_token_ids``.
 
 The ``.counted`` overload also adds, in place and on the device, to an int64
 ``counters`` tensor of shape [3]: the number of nonzero entries of
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INDEX_DTYPES, INT_DTYPES, check_size, check_tensor
+from ._checks import INDEX_DTYPES, INT_DTYPES, check_counters, check_size, check_tensor
 from ._launch import CachedLaunch
 from ._library import register_cuda, register_fake
 from ._triton import HAS_TRITON, tl, triton
@@ -91,7 +92,7 @@ def _check_inputs(accepted, substitute_token_ids, draft_token_ids, bonus_token_i
     check_tensor(_OP, "draft_token_ids", draft_token_ids, ndim=2, dtypes=INT_DTYPES)
     check_tensor(_OP, "accepted", accepted, ndim=2, dtypes=INDEX_DTYPES, device=device)
     check_tensor(_OP, "substitute_token_ids", substitute_token_ids, ndim=2, dtypes=INT_DTYPES, device=device)
-    check_tensor(_OP, "bonus_token_ids", bonus_token_ids, dtypes=INT_DTYPES, device=device)
+    check_tensor(_OP, "bonus_token_ids", bonus_token_ids, dtypes=INT_DTYPES, device=device, unit_stride=False)
     batch, k = draft_token_ids.shape
     if k < 1:
         raise ValueError(f"{_OP}: argument 'draft_token_ids' must have k >= 1 columns, got shape "
@@ -104,8 +105,7 @@ def _check_inputs(accepted, substitute_token_ids, draft_token_ids, bonus_token_i
         check_size(_OP, name, t, 1, k, "k, columns of draft_token_ids")
     check_size(_OP, "bonus_token_ids", bonus_token_ids, 0, batch, "B, rows of draft_token_ids")
     if counters is not None:
-        check_tensor(_OP, "counters", counters, ndim=1, dtypes=(torch.int64,), device=device)
-        check_size(_OP, "counters", counters, 0, 3, "accepted, emitted, proposed")
+        check_counters(_OP, counters, device)
 
 
 @register_fake("create_output")

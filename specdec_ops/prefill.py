@@ -30,6 +30,9 @@ Contract, for request i of num_reqs, with
 
 Slots past ``query_start_loc[num_reqs] + num_reqs`` (a token batch padded
 beyond its requests, as CUDA-graph engines do) hold token 0 at position 0.
+The padding entries of ``expanded_query_start_loc`` still hold
+``num_tokens + num_reqs``, as specified, so with such a batch they count the
+padding slots too; the per-request entries do not depend on it.
 
 Inputs are 1-D with unit stride, int32 or int64 each: ``input_ids`` and
 ``positions`` [num_tokens], ``query_start_loc`` [num_reqs + 1], ``seq_lens``,
@@ -37,7 +40,8 @@ Inputs are 1-D with unit stride, int32 or int64 each: ``input_ids`` and
 ``last_sampled`` [num_slots] (per request slot). ``max_num_reqs`` defaults to
 num_reqs and must be at least num_reqs.
 
-Values are not checked on the device (that would need a host sync); an
+Values are not checked on the device (that would need a host sync);
+``query_start_loc`` must start at 0 and be non-decreasing. An
 out-of-range value (a slot past ``last_sampled``, ``num_rejected`` outside
 ``[0, query_len]``, a non-monotone ``query_start_loc``) is clamped so that no
 kernel reads or writes out of bounds, and the affected rows are unspecified.

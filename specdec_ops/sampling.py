@@ -40,7 +40,9 @@ sample_draft(logits, temperature, seeds, positions) and .with_probs(..., probs)
 Row r of ``logits`` [n, V] (float16/bfloat16/float32/float64, used as float32)
 with ``temperature[r]`` (float32 [n]) > 0 samples a token from
 ``softmax(logits[r] / T)``; a temperature <= 0 (or NaN) is greedy: the argmax
-of the float32 logits, lowest index on ties. Greedy and random rows mix in one
+of the float32 logits, lowest index on ties (for a row holding NaN the token is
+unspecified but in [0, V): the CPU kernel picks the first NaN as torch.argmax
+does, the CUDA kernel skips NaNs). Greedy and random rows mix in one
 call. Returns int64 [n]. ``with_probs`` also writes ``softmax(logits / T)`` in
 float32 into ``probs`` [n, V] (one-hot at the argmax for greedy rows): the q
 that rejection_sample consumes. ``probs`` only needs a unit last stride, so a
@@ -100,7 +102,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INT_DTYPES, check_size, check_tensor
+from ._checks import INT_DTYPES, check_counters, check_size, check_tensor
 from ._library import register_cuda, register_fake
 from ._triton import HAS_TRITON, tl, triton
 from .output import create_output_reference
@@ -132,7 +134,7 @@ def rejection_sample(
     Pass ``counters`` (int64 [3]) to accumulate (accepted, emitted, proposed) in place.
     """
     if counters is None:
-        return torch.ops.specdec.rejection_sample(
+        return torch.ops.specdec.rejection_sample.default(
             target_probs, draft_token_ids, draft_probs, seeds, offsets, bonus_token_ids
         )
     return torch.ops.specdec.rejection_sample.counted(
@@ -152,7 +154,7 @@ def sample_draft(
     Pass ``probs`` (float32 [n, V], unit last stride) to also receive softmax(logits / T).
     """
     if probs is None:
-        return torch.ops.specdec.sample_draft(logits, temperature, seeds, positions)
+        return torch.ops.specdec.sample_draft.default(logits, temperature, seeds, positions)
     return torch.ops.specdec.sample_draft.with_probs(logits, temperature, seeds, positions, probs)
 
 
@@ -313,8 +315,7 @@ def _check_rejection_inputs(target_probs, draft_token_ids, draft_probs, seeds, o
                              f"{tuple(bonus_token_ids.shape)}")
         check_size(_RS, "bonus_token_ids", bonus_token_ids, 0, batch, "B, rows of target_probs")
     if counters is not None:
-        check_tensor(_RS, "counters", counters, ndim=1, dtypes=(torch.int64,), device=device)
-        check_size(_RS, "counters", counters, 0, 3, "accepted, emitted, proposed")
+        check_counters(_RS, counters, device)
 
 
 def _check_draft_inputs(logits, temperature, seeds, positions, probs=None) -> None:

@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import INT_DTYPES, check_size, check_tensor
+from ._checks import INT_DTYPES, check_counters, check_size, check_tensor
 from ._library import register_cuda, register_fake
 from ._triton import HAS_TRITON, tl, triton
 from .output import create_output_reference
@@ -87,7 +87,7 @@ def greedy_verify(
     proposed) token counts in place.
     """
     if counters is None:
-        return torch.ops.specdec.greedy_verify(target_logits, draft_token_ids)
+        return torch.ops.specdec.greedy_verify.default(target_logits, draft_token_ids)
     return torch.ops.specdec.greedy_verify.counted(target_logits, draft_token_ids, counters)
 
 
@@ -104,7 +104,7 @@ def typical_acceptance(
     proposed) token counts in place.
     """
     if counters is None:
-        return torch.ops.specdec.typical_acceptance(
+        return torch.ops.specdec.typical_acceptance.default(
             target_probs, draft_token_ids, posterior_threshold, posterior_alpha
         )
     return torch.ops.specdec.typical_acceptance.counted(
@@ -189,8 +189,7 @@ def _check_inputs(op, target_name, target, draft_token_ids, counters=None) -> No
         raise ValueError(f"{op}: argument '{target_name}' must have a vocabulary of V >= 1 entries, got shape "
                          f"{tuple(target.shape)}")
     if counters is not None:
-        check_tensor(op, "counters", counters, ndim=1, dtypes=(torch.int64,), device=device)
-        check_size(op, "counters", counters, 0, 3, "accepted, emitted, proposed")
+        check_counters(op, counters, device)
 
 
 def _output_like(draft_token_ids):

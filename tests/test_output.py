@@ -194,6 +194,35 @@ def test_compile_fullgraph_equals_eager():
     assert int(eager_counters[2]) == 6 * 4
 
 
+def prefill_into_pipeline(batch, buffers):
+    specdec_ops.prepare_prefill_into(**batch, **buffers)
+    return buffers["last_token_indices"] * 2
+
+
+def test_compile_prepare_prefill_into_equals_eager():
+    batch = make_batch(13, 5)
+    total = batch["input_ids"].shape[0] + 5
+
+    def fresh_buffers():
+        return dict(
+            expanded_input_ids=torch.full((total + 7,), -1, dtype=torch.int32),
+            expanded_positions=torch.full((total + 7,), -1, dtype=torch.int64),
+            last_token_indices=torch.full((8,), -1, dtype=torch.int64),
+            expanded_query_start_loc=torch.full((9,), -1, dtype=torch.int32),
+            expanded_seq_lens=torch.full((8,), -1, dtype=torch.int32),
+        )
+
+    eager_buffers, compiled_buffers = fresh_buffers(), fresh_buffers()
+    eager = prefill_into_pipeline(batch, eager_buffers)
+    compiled = torch.compile(prefill_into_pipeline, fullgraph=True)(batch, compiled_buffers)
+    assert torch.equal(compiled, eager)
+    for name in eager_buffers:
+        assert torch.equal(compiled_buffers[name], eager_buffers[name]), name
+    expected = specdec_ops.prepare_prefill_reference(**batch, max_num_reqs=8)
+    assert torch.equal(compiled_buffers["expanded_positions"][:total], expected.expanded_positions)
+    assert (compiled_buffers["expanded_positions"][total:] == -1).all()
+
+
 # --- CUDA ------------------------------------------------------------------------------
 
 
