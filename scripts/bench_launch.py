@@ -4,25 +4,10 @@ The eager columns of the other benchmarks are bounded by this, not by the kernel
 
     python scripts/bench_launch.py
 """
-import statistics
 import sys
-import time
 
 import torch
-
-
-def eager_us(fn, iters=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples)
+from _timing import eager_us  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 
 def main():
@@ -41,9 +26,9 @@ def main():
     print("| what | eager us per call |")
     print("|---|---:|")
     print(f"| empty Triton kernel, 17 args, kernel[grid](...) | "
-          f"{eager_us(lambda: empty_kernel[(65,)](*tensors, 1, 2, 3, 4, 5, BLOCK=128, num_warps=1)):.1f} |")
-    print(f"| x.add_(1) on a CUDA tensor | {eager_us(lambda: x.add_(1)):.1f} |")
-    print(f"| torch.empty(5, device='cuda') | {eager_us(lambda: torch.empty(5, device='cuda')):.1f} |")
+          f"{eager_us(lambda: empty_kernel[(65,)](*tensors, 1, 2, 3, 4, 5, BLOCK=128, num_warps=1), 2000, warmup=50):.1f} |")
+    print(f"| x.add_(1) on a CUDA tensor | {eager_us(lambda: x.add_(1), 2000, warmup=50):.1f} |")
+    print(f"| torch.empty(5, device='cuda') | {eager_us(lambda: torch.empty(5, device='cuda'), 2000, warmup=50):.1f} |")
     return 0
 
 

@@ -8,15 +8,12 @@ for each op and for a plain-PyTorch formulation of it (vectorized torch ops, no 
     python scripts/bench_ops.py [--quick]
 """
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
 import specdec_ops
-
-CALLS_PER_GRAPH = 100
+from _timing import eager_us, graph_us  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 
 def prepare_prefill_torch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
@@ -69,44 +66,6 @@ def make_verified(batch, k, device):
     substitute = torch.randint(0, 32000, (batch, k), generator=gen)
     bonus = torch.randint(0, 32000, (batch, 1), generator=gen)
     return [t.to(device) for t in (accepted, substitute, draft, bonus)]
-
-
-def eager_us(fn, iters):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples)
-
-
-def graph_us(fn, replays):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    return statistics.median(samples)
 
 
 def main():

@@ -17,15 +17,14 @@ Rows are produced by the functions in BENCHES, each
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from typing import Callable, NamedTuple
 
 import torch
 
 import specdec_ops
+from _timing import CALLS_PER_GRAPH, graph_us  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
-CALLS_PER_GRAPH = 100
 K = 4
 PEAK_BYTES_PER_S = 4.3e12
 
@@ -37,32 +36,6 @@ class Row(NamedTuple):
     kernel_us: float
     floor_bytes: int  # bytes the op must read at least
     torch_us: float | None  # the PyTorch baseline, if any
-
-
-def graph_us(fn: Callable[[], object], replays: int) -> float:
-    """GPU microseconds per call: one CUDA graph of CALLS_PER_GRAPH calls, median over replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    del graph
-    return statistics.median(samples)
 
 
 # --- rejection_sample ------------------------------------------------------------------------------

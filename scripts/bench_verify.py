@@ -9,15 +9,14 @@ formulation (torch argmax / entropy ops, then create_output_reference).
     python scripts/bench_verify.py [--quick]
 """
 import argparse
-import statistics
 import sys
 
 import torch
 
 import specdec_ops
 from specdec_ops.verify import ENTROPY_EPS
+from _timing import CALLS_PER_GRAPH, graph_us  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
-CALLS_PER_GRAPH = 100
 K = 4
 
 
@@ -47,31 +46,6 @@ def make_inputs(batch, vocab, device):
     guess = torch.randint(0, vocab, (batch, K), generator=gen)
     draft = torch.where(torch.rand(batch, K, generator=gen) < 0.8, logits.argmax(-1)[:, :K], guess)
     return logits.to(device), probs.to(device), draft.to(device)
-
-
-def graph_us(fn, replays):
-    """GPU microseconds per call: one CUDA graph of CALLS_PER_GRAPH calls, median over replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    return statistics.median(samples)
 
 
 def main():

@@ -15,7 +15,6 @@ if not HAS_CUDA:
 import pytest  # noqa: E402
 
 import specdec_ops  # noqa: E402,F401
-from specdec_ops._triton import HAS_TRITON  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

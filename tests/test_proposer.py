@@ -9,7 +9,6 @@ import specdec_ops
 from specdec_ops.model import DraftModel, DraftModelConfig, SyntheticTarget, greedy_reference
 from specdec_ops.proposer import BlockPool, DraftProposer, ProposerConfig
 
-from conftest import HAS_CUDA
 
 K = 3
 # float64 so that paged vs dense attention cannot flip a near-tied argmax.
