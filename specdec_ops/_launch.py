@@ -12,7 +12,19 @@ path.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached: the query is slow for a hot path)."""
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 class CachedLaunch:

@@ -103,6 +103,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import INT_DTYPES, check_counters, check_size, check_tensor
+from ._launch import sm_count
 from ._library import register_cuda, register_fake
 from ._triton import HAS_TRITON, tl, triton
 from .output import create_output_reference
@@ -371,7 +372,6 @@ def _sample_draft_with_probs_fake(logits, temperature, seeds, positions, probs):
 _BLOCK_V = 1024
 _MIN_CHUNK = 2 * _BLOCK_V  # do not split a row into chunks smaller than this
 _PROGRAMS_PER_SM = 4
-_sm_counts: dict[int, int] = {}
 
 if HAS_TRITON:
 
@@ -580,20 +580,11 @@ if HAS_TRITON:
                     tl.store(probs_row + v, tl.where(v == token, 1.0, 0.0), mask=v < vocab)
 
 
-def _num_sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    count = _sm_counts.get(index)
-    if count is None:
-        count = torch.cuda.get_device_properties(index).multi_processor_count
-        _sm_counts[index] = count
-    return count
-
-
 def _num_chunks(batch: int, vocab: int, device: torch.device) -> int:
     """How many programs share a row: enough programs to fill the GPU, chunks of >= _MIN_CHUNK."""
     if device.type != "cuda" or batch == 0:
         return 1
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device), batch)
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), batch)
     return max(1, min(wanted, vocab // _MIN_CHUNK))
 
 

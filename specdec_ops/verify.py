@@ -66,6 +66,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import INT_DTYPES, check_counters, check_size, check_tensor
+from ._launch import sm_count
 from ._library import register_cuda, register_fake
 from ._triton import HAS_TRITON, tl, triton
 from .output import create_output_reference
@@ -336,7 +337,6 @@ if HAS_TRITON:
 
 _tickets: dict[torch.device, torch.Tensor] = {}
 _outgrown_tickets: list[torch.Tensor] = []  # kept alive: captured CUDA graphs may still point at them
-_sm_counts: dict[torch.device, int] = {}
 
 
 def _is_capturing(device: torch.device) -> bool:
@@ -363,9 +363,7 @@ def _ticket_buffer(device: torch.device, batch: int) -> torch.Tensor:
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_SMS
-    if device not in _sm_counts:
-        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _sm_counts[device]
+    return sm_count(device)
 
 
 def _plan(batch: int, k: int, vocab: int, device: torch.device, block_v=None, num_chunks=None):
