@@ -1,4 +1,4 @@
-// Argument checks for the CPU kernels. Messages follow specdec_ops/_checks.py:
+// Argument checks for the C++ kernels. Messages follow specdec_ops/_checks.py:
 // op, argument name, what was expected; each raises a Python ValueError.
 #pragma once
 #include <ATen/ATen.h>
@@ -71,9 +71,13 @@ inline void check_dtype(const char* op, const char* name, const at::Tensor& t, a
                     dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
 }
 
+inline void check_device(const char* op, const char* name, const at::Tensor& t, const c10::Device& device) {
+  SPECDEC_CHECK(t.device() == device, op, ": argument '", name, "' is on ", t.device(), ", expected ", device,
+                " like the other inputs");
+}
+
 inline void check_cpu(const char* op, const char* name, const at::Tensor& t) {
-  SPECDEC_CHECK(t.device().is_cpu(), op, ": argument '", name, "' is on ", t.device(),
-                    ", expected cpu like the other inputs");
+  check_device(op, name, t, c10::Device(c10::kCPU));
 }
 
 inline void check_unit_stride(const char* op, const char* name, const at::Tensor& t) {
@@ -89,10 +93,11 @@ inline void check_size(const char* op, const char* name, const at::Tensor& t, in
 }
 
 // The int64 [3] (accepted, emitted, proposed) statistics of the .counted overloads.
-inline void check_counters(const char* op, const at::Tensor& counters) {
+inline void check_counters(const char* op, const at::Tensor& counters,
+                           const c10::Device& device = c10::Device(c10::kCPU)) {
   check_rank(op, "counters", counters, 1);
   check_dtype(op, "counters", counters, at::kLong);
-  check_cpu(op, "counters", counters);
+  check_device(op, "counters", counters, device);
   check_unit_stride(op, "counters", counters);
   check_size(op, "counters", counters, 0, 3, "accepted, emitted, proposed");
 }

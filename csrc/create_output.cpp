@@ -1,9 +1,10 @@
-// CPU kernel of specdec::create_output (and its .counted overload). The
-// contract is in specdec_ops/output.py.
+// CPU kernel and C++ CUDA launcher of specdec::create_output (and its
+// .counted overload). The contract is in specdec_ops/output.py.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "checks.h"
+#include "triton_launch.h"
 
 namespace specdec {
 namespace {
@@ -27,9 +28,8 @@ int64_t load_any_int(const at::Tensor& t, int64_t i) {
   }
 }
 
-at::Tensor create_output_impl(const at::Tensor& accepted_in, const at::Tensor& substitute_in,
-                              const at::Tensor& draft_in, const at::Tensor& bonus_in,
-                              at::Tensor* counters) {
+void check_inputs(const at::Tensor& accepted_in, const at::Tensor& substitute_in, const at::Tensor& draft_in,
+                  const at::Tensor& bonus_in, const at::Tensor* counters) {
   check_rank(kOp, "accepted", accepted_in, 2);
   check_rank(kOp, "substitute_token_ids", substitute_in, 2);
   check_rank(kOp, "draft_token_ids", draft_in, 2);
@@ -45,7 +45,7 @@ at::Tensor create_output_impl(const at::Tensor& accepted_in, const at::Tensor& s
                                                             {"substitute_token_ids", &substitute_in},
                                                             {"draft_token_ids", &draft_in},
                                                             {"bonus_token_ids", &bonus_in}};
-  for (const auto& [name, t] : args) check_cpu(kOp, name, *t);
+  for (const auto& [name, t] : args) check_device(kOp, name, *t, draft_in.device());
   // The kernels read the bonus by its row stride; the [B, k] inputs need a unit stride along k.
   check_unit_stride(kOp, "accepted", accepted_in);
   check_unit_stride(kOp, "substitute_token_ids", substitute_in);
@@ -59,7 +59,15 @@ at::Tensor create_output_impl(const at::Tensor& accepted_in, const at::Tensor& s
   check_size(kOp, "substitute_token_ids", substitute_in, 0, batch, "B, rows of draft_token_ids");
   check_size(kOp, "substitute_token_ids", substitute_in, 1, k, "k, columns of draft_token_ids");
   check_size(kOp, "bonus_token_ids", bonus_in, 0, batch, "B, rows of draft_token_ids");
-  if (counters != nullptr) check_counters(kOp, *counters);
+  if (counters != nullptr) check_counters(kOp, *counters, draft_in.device());
+}
+
+at::Tensor create_output_impl(const at::Tensor& accepted_in, const at::Tensor& substitute_in,
+                              const at::Tensor& draft_in, const at::Tensor& bonus_in,
+                              at::Tensor* counters) {
+  check_inputs(accepted_in, substitute_in, draft_in, bonus_in, counters);
+  const int64_t batch = draft_in.size(0);
+  const int64_t k = draft_in.size(1);
 
   const at::Tensor accepted = accepted_in.contiguous();
   const at::Tensor substitute = substitute_in.contiguous();
@@ -108,11 +116,48 @@ at::Tensor create_output_counted_cpu(const at::Tensor& accepted, const at::Tenso
   return create_output_impl(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, &counters);
 }
 
+// The Triton kernel (specdec_ops/output.py), launched from C++.
+at::Tensor create_output_cuda_impl(const at::Tensor& accepted, const at::Tensor& substitute,
+                                   const at::Tensor& draft, const at::Tensor& bonus, const at::Tensor* counters) {
+  using G = OutputGeometry;
+  check_inputs(accepted, substitute, draft, bonus, counters);
+  const int64_t batch = draft.size(0);
+  const int64_t k = draft.size(1);
+  at::Tensor out = at::empty({batch, k + 1}, draft.options());
+  if (batch == 0) return out;
+  int64_t block_cols = 1;
+  while (block_cols < k + 1) block_cols *= 2;
+  KernelArgs args;
+  args.tensor(accepted).tensor(substitute).tensor(draft).tensor(bonus).tensor(out);
+  args.tensor(counters != nullptr ? *counters : out);
+  args.integer(batch).integer(k);
+  args.integer(accepted.stride(0)).integer(substitute.stride(0)).integer(draft.stride(0)).integer(bonus.stride(0));
+  args.constexpr_(G::block_rows).constexpr_(block_cols).constexpr_(counters != nullptr);
+  launch_triton("create_output", draft.device(), args, G::num_warps, {(batch + G::block_rows - 1) / G::block_rows, 1, 1});
+  return out;
+}
+
+at::Tensor create_output_cuda(const at::Tensor& accepted, const at::Tensor& substitute_token_ids,
+                              const at::Tensor& draft_token_ids, const at::Tensor& bonus_token_ids) {
+  return create_output_cuda_impl(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, nullptr);
+}
+
+at::Tensor create_output_counted_cuda(const at::Tensor& accepted, const at::Tensor& substitute_token_ids,
+                                      const at::Tensor& draft_token_ids, const at::Tensor& bonus_token_ids,
+                                      at::Tensor counters) {
+  return create_output_cuda_impl(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, &counters);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("create_output", &create_output_cpu);
   m.impl("create_output.counted", &create_output_counted_cpu);
+}
+
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
+  m.impl("create_output", &create_output_cuda);
+  m.impl("create_output.counted", &create_output_counted_cuda);
 }
 
 }  // namespace specdec

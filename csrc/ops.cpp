@@ -2,15 +2,26 @@
 //
 // Each op's contract (shapes, dtypes, semantics) is documented in its Python
 // module under specdec_ops/; CPU kernels live in csrc/<family>.cpp, CUDA
-// kernels (Triton) and fake kernels in specdec_ops/<family>.py.
+// kernels (Triton) and fake kernels in specdec_ops/<family>.py. The seed ops
+// (prepare_prefill, create_output) launch their Triton kernels from C++ too.
 #include <Python.h>
 #include <torch/library.h>
 
 // Lets `from specdec_ops import _C` load this library, which runs the
-// registrations below (the extension-cpp pattern).
+// registrations below (the extension-cpp pattern). Its two functions connect
+// the C++ CUDA launcher (csrc/triton_launch.cpp) with the Python side.
 extern "C" {
+PyObject* specdec_set_triton_provider(PyObject* self, PyObject* fn);
+PyObject* specdec_launch_geometry(PyObject* self, PyObject* unused);
+
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static PyMethodDef methods[] = {
+      {"_set_triton_provider", specdec_set_triton_provider, METH_O,
+       "Registers fn(kernel_name, signature, num_warps) -> (CUfunction, shared bytes)."},
+      {"_launch_geometry", specdec_launch_geometry, METH_NOARGS,
+       "Tile sizes and warps of the kernels launched from C++."},
+      {nullptr, nullptr, 0, nullptr}};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }
 }

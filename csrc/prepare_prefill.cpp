@@ -1,7 +1,7 @@
-// CPU kernel of specdec::prepare_prefill and specdec::prepare_prefill_into.
-// The contract is in specdec_ops/prefill.py. Out-of-range input values
-// are clamped exactly as the Triton kernel clamps them, so no value can make
-// either kernel read or write out of bounds.
+// CPU kernel and C++ CUDA launcher of specdec::prepare_prefill and
+// specdec::prepare_prefill_into. The contract is in specdec_ops/prefill.py.
+// Out-of-range input values are clamped exactly as the Triton kernel clamps
+// them, so no value can make either kernel read or write out of bounds.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -9,6 +9,7 @@
 #include <tuple>
 
 #include "checks.h"
+#include "triton_launch.h"
 
 namespace specdec {
 namespace {
@@ -19,6 +20,7 @@ void check_inputs(const at::Tensor& input_ids, const at::Tensor& positions,
                   const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                   const at::Tensor& idx_mapping, const at::Tensor& last_sampled,
                   const at::Tensor& num_rejected, int64_t max_model_len) {
+  const c10::Device device = input_ids.device();
   const std::pair<const char*, const at::Tensor*> args[] = {
       {"input_ids", &input_ids},     {"positions", &positions},     {"query_start_loc", &query_start_loc},
       {"seq_lens", &seq_lens},       {"idx_mapping", &idx_mapping}, {"last_sampled", &last_sampled},
@@ -26,7 +28,7 @@ void check_inputs(const at::Tensor& input_ids, const at::Tensor& positions,
   for (const auto& [name, t] : args) {
     check_rank(kOp, name, *t, 1);
     check_int_dtype(kOp, name, *t);
-    check_cpu(kOp, name, *t);
+    check_device(kOp, name, *t, device);
     check_unit_stride(kOp, name, *t);
   }
   const int64_t num_reqs = query_start_loc.size(0) - 1;
@@ -89,12 +91,38 @@ void run_cpu(const at::Tensor& input_ids, const at::Tensor& positions, const at:
   for (int64_t r = num_reqs; r <= max_num_reqs; ++r) qsl_out[r] = static_cast<int32_t>(total);
 }
 
-void prepare_prefill_into_cpu(const at::Tensor& input_ids, const at::Tensor& positions,
-                              const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                              const at::Tensor& idx_mapping, const at::Tensor& last_sampled,
-                              const at::Tensor& num_rejected, int64_t max_model_len, at::Tensor expanded_input_ids,
-                              at::Tensor expanded_positions, at::Tensor last_token_indices,
-                              at::Tensor expanded_query_start_loc, at::Tensor expanded_seq_lens) {
+// The Triton kernel (specdec_ops/prefill.py), launched from C++: one launch whose grid depends only on shapes.
+void run_cuda(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& query_start_loc,
+              const at::Tensor& seq_lens, const at::Tensor& idx_mapping, const at::Tensor& last_sampled,
+              const at::Tensor& num_rejected, int64_t max_model_len, at::Tensor& out_ids, at::Tensor& out_pos,
+              at::Tensor& out_last, at::Tensor& out_qsl, at::Tensor& out_seq_lens) {
+  using G = PrefillGeometry;
+  const int64_t num_tokens = input_ids.size(0);
+  const int64_t num_reqs = query_start_loc.size(0) - 1;
+  const int64_t max_num_reqs = out_last.size(0);
+  const int64_t programs = std::max((max_num_reqs + 1 + G::rows - 1) / G::rows,
+                                    (num_tokens + num_reqs + G::rows * G::slots - 1) / (G::rows * G::slots));
+  KernelArgs args;
+  args.tensor(input_ids).tensor(positions).tensor(query_start_loc).tensor(seq_lens).tensor(idx_mapping);
+  args.tensor(last_sampled).tensor(num_rejected);
+  args.tensor(out_ids).tensor(out_pos).tensor(out_last).tensor(out_qsl).tensor(out_seq_lens);
+  args.integer(num_tokens).integer(num_reqs).integer(std::max<int64_t>(last_sampled.size(0), 1));
+  args.integer(max_num_reqs).integer(max_model_len);
+  args.constexpr_(G::rows).constexpr_(G::slots).constexpr_(G::long_slots);
+  launch_triton("prepare_prefill", input_ids.device(), args, G::num_warps, {programs, 1, 1});
+}
+
+using Runner = void (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                        const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, at::Tensor&, at::Tensor&,
+                        at::Tensor&, at::Tensor&, at::Tensor&);
+
+template <Runner run>
+void prepare_prefill_into(const at::Tensor& input_ids, const at::Tensor& positions,
+                          const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                          const at::Tensor& idx_mapping, const at::Tensor& last_sampled,
+                          const at::Tensor& num_rejected, int64_t max_model_len, at::Tensor expanded_input_ids,
+                          at::Tensor expanded_positions, at::Tensor last_token_indices,
+                          at::Tensor expanded_query_start_loc, at::Tensor expanded_seq_lens) {
   constexpr const char* op = "prepare_prefill_into";
   check_inputs(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
                max_model_len);
@@ -108,7 +136,7 @@ void prepare_prefill_into_cpu(const at::Tensor& input_ids, const at::Tensor& pos
       {"expanded_seq_lens", &expanded_seq_lens}};
   for (const auto& [name, t] : outs) {
     check_rank(op, name, *t, 1);
-    check_cpu(op, name, *t);
+    check_device(op, name, *t, input_ids.device());
     check_unit_stride(op, name, *t);
   }
   check_int_dtype(op, "expanded_input_ids", expanded_input_ids);
@@ -127,12 +155,12 @@ void prepare_prefill_into_cpu(const at::Tensor& input_ids, const at::Tensor& pos
              "max_num_reqs, the length of last_token_indices");
   check_size(op, "expanded_query_start_loc", expanded_query_start_loc, 0, max_num_reqs + 1,
              "max_num_reqs + 1");
-  run_cpu(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-          max_model_len, expanded_input_ids, expanded_positions, last_token_indices, expanded_query_start_loc,
-          expanded_seq_lens);
+  run(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected, max_model_len,
+      expanded_input_ids, expanded_positions, last_token_indices, expanded_query_start_loc, expanded_seq_lens);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_prefill_cpu(
+template <Runner run>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_prefill(
     const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& query_start_loc,
     const at::Tensor& seq_lens, const at::Tensor& idx_mapping, const at::Tensor& last_sampled,
     const at::Tensor& num_rejected, int64_t max_model_len, std::optional<int64_t> max_num_reqs) {
@@ -149,16 +177,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_p
   at::Tensor last = at::empty({padded_reqs}, opts.dtype(at::kLong));
   at::Tensor qsl = at::empty({padded_reqs + 1}, opts.dtype(at::kInt));
   at::Tensor seq = at::empty({padded_reqs}, opts.dtype(at::kInt));
-  run_cpu(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-          max_model_len, ids, pos, last, qsl, seq);
+  run(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected, max_model_len, ids,
+      pos, last, qsl, seq);
   return {ids, pos, last, qsl, seq};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
-  m.impl("prepare_prefill", &prepare_prefill_cpu);
-  m.impl("prepare_prefill_into", &prepare_prefill_into_cpu);
+  m.impl("prepare_prefill", &prepare_prefill<run_cpu>);
+  m.impl("prepare_prefill_into", &prepare_prefill_into<run_cpu>);
+}
+
+TORCH_LIBRARY_IMPL(specdec, CUDA, m) {
+  m.impl("prepare_prefill", &prepare_prefill<run_cuda>);
+  m.impl("prepare_prefill_into", &prepare_prefill_into<run_cuda>);
 }
 
 }  // namespace specdec

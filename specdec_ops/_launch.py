@@ -1,4 +1,5 @@
-"""A lower-overhead launch path for the small Triton kernels.
+"""Launch helpers: a cached Python launch path, the persistent scratch of the ticket kernels, and the Python side
+of the C++ launcher.
 
 `kernel[grid](...)` re-derives the kernel's specialization from every
 argument on every call, which costs tens of microseconds of host time, more
@@ -27,6 +28,33 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+SCRATCH_CAPACITY = 1 << 17  # int64 entries (1 MiB) per device
+_scratch: dict[torch.device, torch.Tensor] = {}
+_outgrown_scratch: list[torch.Tensor] = []  # kept alive: captured CUDA graphs may still point at them
+
+
+def zeroed_scratch(device: torch.device, numel: int) -> torch.Tensor:
+    """A persistent int64 buffer of at least `numel` zeros on `device`, shared by the ticket kernels.
+
+    A kernel that combines its programs' results through it (atomic tickets and maxima) must set every entry it
+    touched back to 0 before it finishes, so each call and each CUDA-graph replay starts from zeros without a
+    memset. Calls are ordered by their stream: two streams running such kernels at the same time on one device
+    would share the buffer, which is not supported.
+    """
+    scratch = _scratch.get(device)
+    if scratch is not None and scratch.numel() >= numel:
+        return scratch
+    grown = torch.zeros(max(numel, SCRATCH_CAPACITY), dtype=torch.int64, device=device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # Graph-pool memory must not outlive the capture: these zeros serve this call only (the graph replays
+        # their memset). It happens only when a first capture needs more than the capacity.
+        return grown
+    if scratch is not None:
+        _outgrown_scratch.append(scratch)
+    _scratch[device] = grown
+    return grown
+
+
 class CachedLaunch:
     def __init__(self, kernel):
         self.kernel = kernel
@@ -35,7 +63,7 @@ class CachedLaunch:
     def __call__(self, grid, args, constexprs=(), **options):
         """Launches kernel[grid](*args, *constexprs, **options); constexprs are the trailing parameters."""
         # Triton passes an int as i32 when it fits and as i64 otherwise: part of the key.
-        key = (args[0].device.index, constexprs) + tuple(
+        key = (args[0].device.index, constexprs, *options.values()) + tuple(
             a.dtype if isinstance(a, torch.Tensor) else -(2**31) <= a < 2**31 for a in args
         )
         binary = self.binaries.get(key)
@@ -46,3 +74,49 @@ class CachedLaunch:
         compiled = self.kernel[grid](*args, *constexprs, **options)
         if hasattr(compiled, "__getitem__") and hasattr(compiled, "run"):
             self.binaries[key] = compiled
+
+
+# --- Kernels launched from C++ ------------------------------------------------------------
+# prepare_prefill and create_output have C++ CUDA kernels (csrc/triton_launch.cpp) that check, allocate and launch
+# without entering Python. The first launch of each specialization calls `_compile_for_cpp` to compile the Triton
+# kernel and load it; C++ keeps the loaded function.
+
+_KERNELS_FOR_CPP = {}
+
+
+def expose_to_cpp(name: str, kernel) -> None:
+    """Makes a Triton kernel launchable from C++ under `name`."""
+    _KERNELS_FOR_CPP[name] = kernel
+
+
+def _compile_for_cpp(name: str, signature: tuple, num_warps: int) -> tuple[int, int]:
+    """Compiles and loads one specialization; returns (CUfunction handle, dynamic shared memory bytes).
+
+    `signature` lists the kernel's parameters in order: a torch dtype name for a tensor, an int of the argument's
+    width (0 for i32, 2**40 for i64) for a runtime int, the value for a constexpr.
+    """
+    args = [getattr(torch, a) if isinstance(a, str) else a for a in signature]
+    compiled = _KERNELS_FOR_CPP[name].warmup(*args, grid=(1,), num_warps=num_warps)
+    compiled._init_handles()
+    metadata = compiled.metadata
+    needs = [what for what, used in (
+        ("more than one CTA", getattr(metadata, "num_ctas", 1) != 1),
+        ("global scratch memory", getattr(metadata, "global_scratch_size", 0)),
+        ("profiler scratch memory", getattr(metadata, "profile_scratch_size", 0)),
+        ("a cooperative launch", getattr(metadata, "launch_cooperative_grid", False)),
+        ("programmatic dependent launch", getattr(metadata, "launch_pdl", False)),
+    ) if used]
+    if needs:
+        raise RuntimeError(f"Triton kernel {name} needs {', '.join(needs)}, which the C++ launcher does not set up")
+    return int(compiled.function), int(metadata.shared)
+
+
+def _register_provider() -> None:
+    from . import _C
+    from ._triton import HAS_TRITON
+
+    if HAS_TRITON:
+        _C._set_triton_provider(_compile_for_cpp)
+
+
+_register_provider()

@@ -1,9 +1,11 @@
 """Where the Python halves of the ops are registered.
 
-Schemas and CPU kernels come from the C++ extension (csrc/). Here each op
-module registers its Triton launcher as the CUDA kernel, straight into the
-dispatcher (no `torch.library.custom_op` wrapper, so a call costs the
-dispatch plus the launch), and its fake kernel for tracing.
+Schemas and CPU kernels come from the C++ extension (csrc/), and so do the
+CUDA kernels of prepare_prefill and create_output (C++ launches of their
+Triton kernels, see _launch.py). Here the other op modules register their
+Triton launchers as CUDA kernels, straight into the dispatcher (no
+`torch.library.custom_op` wrapper, so a call costs the dispatch plus the
+launch), and every module registers its fake kernel for tracing.
 """
 import torch
 

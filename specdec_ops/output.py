@@ -24,16 +24,18 @@ The ``.counted`` overload also adds, in place and on the device, to an int64
 ``counters`` tensor of shape [3]: the number of nonzero entries of
 ``accepted`` (every position, as acceptance-rate statistics count them), the
 number of output entries that are not -1 (tokens emitted), and ``B * k``
-(draft tokens proposed). The CUDA kernel is one launch either way; counters
-are summed per program and added atomically, so no host sync is needed.
+(draft tokens proposed). The CUDA kernel is one Triton launch either way,
+made from C++ (csrc/create_output.cpp); counters are summed per program and
+added atomically, so no host sync is needed.
 """
 from __future__ import annotations
 
 import torch
 
+from . import _C
 from ._checks import INDEX_DTYPES, INT_DTYPES, check_counters, check_size, check_tensor
-from ._launch import CachedLaunch
-from ._library import register_cuda, register_fake
+from ._launch import CachedLaunch, expose_to_cpp
+from ._library import register_fake
 from ._triton import HAS_TRITON, tl, triton
 
 _OP = "create_output"
@@ -122,7 +124,8 @@ def _create_output_counted_fake(accepted, substitute_token_ids, draft_token_ids,
     return draft_token_ids.new_empty((batch, k + 1))
 
 
-_BLOCK_ROWS = 128
+# The geometry is set in csrc/triton_launch.h, whose C++ launcher is the CUDA kernel of the op.
+_GEOMETRY = _C._launch_geometry()["create_output"]
 
 if HAS_TRITON:
 
@@ -149,13 +152,17 @@ if HAS_TRITON:
         rejected_at = tl.where(in_draft & (accepted == 0), cols[None, :], k)
         first_rejected = tl.min(rejected_at, axis=1)
 
+        # Every load depends only on the program id, so they all issue at once: the
+        # latency of this kernel is one round trip to memory, not a chain of them.
         draft = tl.load(draft_ptr + rows64[:, None] * draft_row_stride + cols[None, :], mask=in_draft,
                         other=-1).to(tl.int64)
         substitute = tl.load(substitute_ptr + rows64[:, None] * substitute_row_stride + cols[None, :],
-                             mask=in_draft & (cols[None, :] == first_rejected[:, None]), other=-1).to(tl.int64)
-        last_draft = tl.load(draft_ptr + rows64 * draft_row_stride + k - 1, mask=row_ok, other=-1)
+                             mask=in_draft, other=-1).to(tl.int64)
+        bonus = tl.load(bonus_ptr + rows64 * bonus_row_stride, mask=row_ok, other=-1).to(tl.int64)
+        last_draft = tl.max(tl.where(cols[None, :] == k - 1, draft, -2), axis=1)
         emit_bonus = row_ok & (first_rejected == k) & (last_draft != -1)
-        bonus = tl.load(bonus_ptr + rows64 * bonus_row_stride, mask=emit_bonus, other=-1).to(tl.int64)
+        bonus = tl.where(emit_bonus, bonus, -1)
+        substitute = tl.where(cols[None, :] == first_rejected[:, None], substitute, -1)
 
         out = tl.where(cols[None, :] < first_rejected[:, None], draft, substitute)
         out = tl.where(cols[None, :] == k, bonus[:, None], out)
@@ -167,26 +174,31 @@ if HAS_TRITON:
             num_accepted = tl.sum(tl.sum((accepted != 0).to(tl.int64), axis=1), axis=0)
             num_emitted = tl.sum(tl.sum((in_out & (out != -1)).to(tl.int64), axis=1), axis=0)
             num_rows = tl.sum(row_ok.to(tl.int64), axis=0)
-            # Plain sums: no ordering with other memory is needed, so no fences.
-            tl.atomic_add(counters_ptr, num_accepted, sem="relaxed")
-            tl.atomic_add(counters_ptr + 1, num_emitted, sem="relaxed")
-            tl.atomic_add(counters_ptr + 2, num_rows * k, sem="relaxed")
+            # One vector atomic for the three sums (relaxed: no ordering with other memory is needed).
+            which = tl.arange(0, 4)
+            counts = tl.where(which == 0, num_accepted, tl.where(which == 1, num_emitted, num_rows * k))
+            tl.atomic_add(counters_ptr + which, counts, mask=which < 3, sem="relaxed")
 
     _launch_kernel = CachedLaunch(_create_output_kernel)
+    expose_to_cpp("create_output", _create_output_kernel)
 
 
-def _launch(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters):
+def _launch(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters,
+            block_rows=_GEOMETRY["block_rows"], num_warps=_GEOMETRY["num_warps"]):
+    """One launch of the Triton kernel from Python (inputs already validated): the TRITON_INTERPRET path of the
+    tests, and a second path to compare the C++ launcher with."""
     batch, k = draft_token_ids.shape
     out = torch.empty((batch, k + 1), dtype=draft_token_ids.dtype, device=draft_token_ids.device)
     if batch == 0:
         return out
-    grid = (triton.cdiv(batch, _BLOCK_ROWS),)
+    grid = (triton.cdiv(batch, block_rows),)
     _launch_kernel(
         grid,
         (accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, out, out if counters is None else counters,
          batch, k,
          accepted.stride(0), substitute_token_ids.stride(0), draft_token_ids.stride(0), bonus_token_ids.stride(0)),
-        (_BLOCK_ROWS, triton.next_power_of_2(k + 1), counters is not None),
+        (block_rows, triton.next_power_of_2(k + 1), counters is not None),
+        num_warps=num_warps,
     )
     return out
 
@@ -200,6 +212,3 @@ def _create_output_counted_triton(accepted, substitute_token_ids, draft_token_id
     _check_inputs(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters)
     return _launch(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters)
 
-
-register_cuda("create_output", _create_output_triton)
-register_cuda("create_output.counted", _create_output_counted_triton)

@@ -46,11 +46,12 @@ out-of-range value (a slot past ``last_sampled``, ``num_rejected`` outside
 ``[0, query_len]``, a non-monotone ``query_start_loc``) is clamped so that no
 kernel reads or writes out of bounds, and the affected rows are unspecified.
 
-The CUDA kernel is one launch whose grid depends only on shapes: each program
-owns a tile of 16 rows (up to max_num_reqs) and writes their slots, looping
-for long prompts, and their per-request or padding entries; every program
-also zeroes one chunk of the slots past the last request. No host data, no
-sync: it can be captured in a CUDA graph.
+The CUDA kernel is one Triton launch, made from C++ (csrc/prepare_prefill.cpp),
+whose grid depends only on shapes: each program owns a tile of 16 rows (up to
+max_num_reqs) and writes their slots, looping for long prompts, and their
+per-request or padding entries; every program also zeroes one chunk of the
+slots past the last request. No host data, no sync: it can be captured in a
+CUDA graph.
 """
 from __future__ import annotations
 
@@ -58,9 +59,10 @@ from typing import NamedTuple
 
 import torch
 
+from . import _C
 from ._checks import INT_DTYPES, check_size, check_tensor
-from ._launch import CachedLaunch
-from ._library import register_cuda, register_fake
+from ._launch import CachedLaunch, expose_to_cpp
+from ._library import register_fake
 from ._triton import HAS_TRITON, tl, triton
 
 _OP = "prepare_prefill"
@@ -281,11 +283,25 @@ def _prepare_prefill_into_fake(input_ids, positions, query_start_loc, seq_lens, 
 
 # A program handles a tile of ROWS requests x SLOTS slots: a decode round has
 # query_len + 1 = k + 2 or so slots per request, one tile column pass; a long
-# prompt loops over its slots.
-_ROWS = 16
-_SLOTS = 32
+# prompt loops over the rest of its slots LONG_SLOTS at a time.
+# The geometry is set in csrc/triton_launch.h, whose C++ launcher is the CUDA kernel of the op.
+_GEOMETRY = _C._launch_geometry()["prepare_prefill"]
 
 if HAS_TRITON:
+
+    @triton.jit
+    def _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, first, live, out_start, q_start, query_len,
+                     num_valid, correction, start_pos, total, max_model_len, SLOTS: tl.constexpr):
+        """Slots [first, first + SLOTS) of every request of the tile."""
+        s = first + tl.arange(0, SLOTS)[None, :]
+        j = out_start[:, None] + s
+        in_slot = live[:, None] & (s <= query_len[:, None]) & (j >= 0) & (j < total)
+        accepted = in_slot & (s < num_valid[:, None])
+        token = tl.load(input_ids_ptr + q_start[:, None] + s, mask=accepted, other=0).to(tl.int64)
+        token = tl.where(s == num_valid[:, None], correction[:, None], token)
+        position = tl.minimum(start_pos[:, None] + s, max_model_len - 1)
+        tl.store(out_ids_ptr + j, token.to(out_ids_ptr.dtype.element_ty), mask=in_slot)
+        tl.store(out_positions_ptr + j, position, mask=in_slot)
 
     @triton.jit(
         do_not_specialize=["num_tokens", "num_reqs", "num_slots", "max_num_reqs", "max_model_len"],
@@ -300,7 +316,7 @@ if HAS_TRITON:
         last_sampled_ptr, num_rejected_ptr,
         out_ids_ptr, out_positions_ptr, out_last_ptr, out_qsl_ptr, out_seq_lens_ptr,
         num_tokens, num_reqs, num_slots, max_num_reqs, max_model_len,
-        ROWS: tl.constexpr, SLOTS: tl.constexpr,
+        ROWS: tl.constexpr, SLOTS: tl.constexpr, LONG_SLOTS: tl.constexpr,
     ):
         # Program p owns rows [p * ROWS, (p + 1) * ROWS): their slots and per-request
         # entries, or padding entries for rows >= num_reqs. Every load a store depends
@@ -328,18 +344,15 @@ if HAS_TRITON:
         new_seq_len = tl.minimum(seq_len + 1, max_model_len).to(tl.int32)
         tl.store(out_seq_lens_ptr + rows, tl.where(live, new_seq_len, 0), mask=rows < max_num_reqs)
 
-        # Slots of the tile's requests: [ROWS, SLOTS] at a time.
+        # Slots of the tile's requests, [ROWS, SLOTS] at a time: the first column
+        # of tiles (all of a decode round) before the loop for long prompts, so
+        # the loop bound's cross-warp reduction overlaps its stores.
+        _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, 0, live, out_start, q_start, query_len,
+                     num_valid, correction, start_pos, total, max_model_len, SLOTS)
         longest = tl.max(tl.where(live, query_len, -1), axis=0)
-        for first in range(0, longest + 1, SLOTS):
-            s = first + tl.arange(0, SLOTS)[None, :]
-            j = out_start[:, None] + s
-            in_slot = live[:, None] & (s <= query_len[:, None]) & (j >= 0) & (j < total)
-            accepted = in_slot & (s < num_valid[:, None])
-            token = tl.load(input_ids_ptr + q_start[:, None] + s, mask=accepted, other=0).to(tl.int64)
-            token = tl.where(s == num_valid[:, None], correction[:, None], token)
-            position = tl.minimum(start_pos[:, None] + s, max_model_len - 1)
-            tl.store(out_ids_ptr + j, token.to(out_ids_ptr.dtype.element_ty), mask=in_slot)
-            tl.store(out_positions_ptr + j, position, mask=in_slot)
+        for first in range(SLOTS, longest + 1, LONG_SLOTS):
+            _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, first, live, out_start, q_start, query_len,
+                         num_valid, correction, start_pos, total, max_model_len, LONG_SLOTS)
 
         # Slots past query_start_loc[num_reqs] + num_reqs (a padded token batch): the
         # grid has enough programs that these chunks cover them all.
@@ -351,22 +364,25 @@ if HAS_TRITON:
         tl.store(out_positions_ptr + j, tl.zeros([ROWS * SLOTS], dtype=tl.int64), mask=in_tail)
 
     _launch_kernel = CachedLaunch(_prepare_prefill_kernel)
+    expose_to_cpp("prepare_prefill", _prepare_prefill_kernel)
 
 
 def _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-            max_model_len, out_ids, out_positions, out_last, out_qsl, out_seq_lens) -> None:
-    """One launch of the Triton kernel (inputs already validated)."""
+            max_model_len, out_ids, out_positions, out_last, out_qsl, out_seq_lens, rows=_GEOMETRY["rows"],
+            slots=_GEOMETRY["slots"], num_warps=_GEOMETRY["num_warps"]) -> None:
+    """One launch of the Triton kernel from Python (inputs already validated): the TRITON_INTERPRET path of the
+    tests, and a second path to compare the C++ launcher with."""
     num_tokens = input_ids.shape[0]
     num_reqs = query_start_loc.shape[0] - 1
     max_num_reqs = out_last.shape[0]
-    grid = (max(triton.cdiv(max_num_reqs + 1, _ROWS), triton.cdiv(num_tokens + num_reqs, _ROWS * _SLOTS)),)
+    grid = (max(triton.cdiv(max_num_reqs + 1, rows), triton.cdiv(num_tokens + num_reqs, rows * slots)),)
     _launch_kernel(
         grid,
         (input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
          out_ids, out_positions, out_last, out_qsl, out_seq_lens,
          num_tokens, num_reqs, max(last_sampled.shape[0], 1), max_num_reqs, max_model_len),
-        (_ROWS, _SLOTS),
-        num_warps=4,
+        (rows, slots, _GEOMETRY["long_slots"]),
+        num_warps=num_warps,
     )
 
 
@@ -388,6 +404,3 @@ def _prepare_prefill_into_triton(input_ids, positions, query_start_loc, seq_lens
     _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
             max_model_len, *buffers)
 
-
-register_cuda("prepare_prefill", _prepare_prefill_triton)
-register_cuda("prepare_prefill_into", _prepare_prefill_into_triton)

@@ -90,20 +90,24 @@ program evaluates the k accept tests (they only need p(x), q(x), one uniform),
 races its chunk of V at the rejected/bonus position, and folds its winner
 (key bits, V-1-index) into a per-row slot with an int64 atomic max; an atomic
 ticket elects the last program of the row, which writes the output row and
-the counters. The slot and ticket live in a zeroed [B, 2] int64 workspace
-allocated per call (one memset, no persistent state to corrupt under CUDA
-graph pools), only when V is split; the number of chunks depends only on B,
-V and the SM count (about 4 programs per SM, chunks of >= 2048 tokens). A
-row whose residual has no positive key is redrawn from p_j by the last
-program alone (a slow path: it needs p_j <= q_j everywhere, i.e. p_j == q_j
-up to rounding, and a rejection there needs q_j(x_j) == 0 or rounding).
+the counters. The slot and ticket live in the persistent zeroed scratch of
+`_launch.zeroed_scratch`, which the last program resets, so a call is one
+launch with no memset (two streams must not run these kernels on one device
+at the same time); it is used only when V is split. The number of chunks
+depends only on B, V and the SM count: chunks of at most 8192 tokens, more
+when needed for about 4 programs per SM. A row whose residual has no positive
+key is redrawn from p_j by the last program alone (a slow path: it needs
+p_j <= q_j everywhere, i.e. p_j == q_j up to rounding, and a rejection there
+needs q_j(x_j) == 0 or rounding). sample_draft's kernel is one program per row
+that streams the row twice: the race and an online softmax normalizer, then
+(with probs) the normalized probabilities.
 """
 from __future__ import annotations
 
 import torch
 
 from ._checks import INT_DTYPES, check_counters, check_size, check_tensor
-from ._launch import sm_count
+from ._launch import sm_count, zeroed_scratch
 from ._library import register_cuda, register_fake
 from ._triton import HAS_TRITON, tl, triton
 from .output import create_output_reference
@@ -369,9 +373,14 @@ def _sample_draft_with_probs_fake(logits, temperature, seeds, positions, probs):
 
 # --- Triton kernels ---------------------------------------------------------------------------
 
+# Tuned on the H200 (benchmarks/RESULTS.md): 8 warps over 1024-entry blocks, at most 8 blocks per program.
 _BLOCK_V = 1024
-_MIN_CHUNK = 2 * _BLOCK_V  # do not split a row into chunks smaller than this
+_NUM_WARPS = 8
+_MAX_CHUNK = 8 * _BLOCK_V  # longer rows are split even when the batch alone fills the GPU
 _PROGRAMS_PER_SM = 4
+# sample_draft: one program per row, so wide blocks keep a row's passes short.
+_DRAFT_BLOCK_V = 4096
+_DRAFT_NUM_WARPS = 16
 
 if HAS_TRITON:
 
@@ -484,11 +493,15 @@ if HAS_TRITON:
         packed = (chunk_key.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (vocab - 1 - chunk_idx).to(tl.int64)
 
         if SPLIT:
-            tl.atomic_max(workspace_ptr + row * 2, packed)
-            ticket = tl.atomic_add(workspace_ptr + row * 2 + 1, 1)
+            # The ticket's release orders this program's max before it; the last
+            # program's acquire sees every max. It reads the row's final maximum
+            # and leaves both slots at 0 for the next call.
+            tl.atomic_max(workspace_ptr + row * 2, packed, sem="relaxed")
+            ticket = tl.atomic_add(workspace_ptr + row * 2 + 1, 1, sem="acq_rel")
             is_last = ticket == tl.num_programs(1) - 1
             if is_last:
-                packed = tl.atomic_max(workspace_ptr + row * 2, packed)  # reads the row's final maximum
+                packed = tl.atomic_xchg(workspace_ptr + row * 2, 0)
+                tl.store(workspace_ptr + row * 2 + 1, 0)
         else:
             is_last = True
 
@@ -534,10 +547,13 @@ if HAS_TRITON:
         state = _row_state_tl(tl.load(seed_ptr + row * seed_stride), tl.load(position_ptr + row * position_stride),
                               tl.zeros([], tl.int32) + 1)  # purpose DRAFT
         logits_row = logits_ptr + row * logits_stride
-        # Pass 1: the race (Gumbel keys) or the argmax, and the row max of logits / T.
+        # Pass 1: the race (Gumbel keys) or the argmax, and an online softmax
+        # normalizer of logits / T: a running max per lane and the lane's sum
+        # of exp(z - max), rescaled when the max grows.
         best_key = tl.full([BLOCK_V], float("-inf"), tl.float32)
         best_idx = tl.full([BLOCK_V], 0, tl.int32) + vocab
-        row_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        lane_sum = tl.zeros([BLOCK_V], tl.float32)
         for v0 in range(0, vocab, BLOCK_V):
             v = v0 + tl.arange(0, BLOCK_V)
             in_row = v < vocab
@@ -552,7 +568,11 @@ if HAS_TRITON:
             better = in_row & ((key > best_key) | ((key == best_key) & (v < best_idx)))
             best_key = tl.where(better, key, best_key)
             best_idx = tl.where(better, v, best_idx)
-            row_max = tl.maximum(row_max, z)
+            if WITH_PROBS:
+                new_max = tl.maximum(lane_max, z)
+                finite = new_max > float("-inf")  # exp(-inf - -inf) would be NaN
+                lane_sum = tl.where(finite, lane_sum * tl.exp(lane_max - new_max) + tl.exp(z - new_max), 0.0)
+                lane_max = new_max
         top = tl.max(best_key)
         token = tl.min(tl.where(best_key == top, best_idx, vocab))
         token = tl.minimum(token, vocab - 1)  # all-NaN rows: stay in range
@@ -561,14 +581,10 @@ if HAS_TRITON:
         if WITH_PROBS:
             probs_row = probs_ptr + row * probs_stride
             if is_random:
-                m = tl.max(row_max)
-                total = tl.zeros([BLOCK_V], tl.float32)
-                for v0 in range(0, vocab, BLOCK_V):
-                    v = v0 + tl.arange(0, BLOCK_V)
-                    in_row = v < vocab
-                    x = tl.load(logits_row + v, mask=in_row, other=float("-inf")).to(tl.float32)
-                    total += tl.where(in_row, tl.exp(x / temperature - m), 0.0)
-                inv_total = 1.0 / tl.sum(total)
+                # Pass 2: the lanes' sums, rescaled to the row max, normalize exp(z - max).
+                m = tl.max(lane_max)
+                total = tl.sum(tl.where(lane_max > float("-inf"), lane_sum * tl.exp(lane_max - m), 0.0))
+                inv_total = 1.0 / total
                 for v0 in range(0, vocab, BLOCK_V):
                     v = v0 + tl.arange(0, BLOCK_V)
                     in_row = v < vocab
@@ -580,28 +596,31 @@ if HAS_TRITON:
                     tl.store(probs_row + v, tl.where(v == token, 1.0, 0.0), mask=v < vocab)
 
 
-def _num_chunks(batch: int, vocab: int, device: torch.device) -> int:
-    """How many programs share a row: enough programs to fill the GPU, chunks of >= _MIN_CHUNK."""
-    if device.type != "cuda" or batch == 0:
-        return 1
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), batch)
-    return max(1, min(wanted, vocab // _MIN_CHUNK))
+def _plan_rejection(batch: int, vocab: int, device: torch.device, num_chunks=None, block_v=None):
+    """(BLOCK_V, chunk_len, num_chunks): a row's V is split into chunks of at most _MAX_CHUNK entries, and into
+    more when the batch is too small to give every SM _PROGRAMS_PER_SM programs (chunks of >= BLOCK_V)."""
+    block_v = block_v or min(_BLOCK_V, max(16, triton.next_power_of_2(vocab)))
+    if num_chunks is None:
+        if device.type != "cuda":
+            num_chunks = 1
+        else:
+            wanted = max(triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), batch), triton.cdiv(vocab, _MAX_CHUNK))
+            num_chunks = max(1, min(wanted, triton.cdiv(vocab, block_v)))
+    chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), block_v) * block_v
+    return block_v, chunk_len, triton.cdiv(vocab, chunk_len)
 
 
 def _launch_rejection(target_probs, draft_token_ids, draft_probs, seeds, offsets, bonus_token_ids, counters,
-                      num_chunks=None):
+                      num_chunks=None, block_v=None, num_warps=None):
     batch, k = draft_token_ids.shape
     vocab = target_probs.shape[2]
     out = torch.empty((batch, k + 1), dtype=draft_token_ids.dtype, device=draft_token_ids.device)
     if batch == 0:
         return out
-    if num_chunks is None:
-        num_chunks = _num_chunks(batch, vocab, target_probs.device)
-    chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), _BLOCK_V) * _BLOCK_V
-    num_chunks = triton.cdiv(vocab, chunk_len)
+    block_v, chunk_len, num_chunks = _plan_rejection(batch, vocab, out.device, num_chunks, block_v)
     split = num_chunks > 1
-    # Per row: [max packed race winner, arrival ticket]; zeroed, so nothing persists between calls.
-    workspace = torch.zeros((batch, 2), dtype=torch.int64, device=out.device) if split else out
+    # Per row: [max packed race winner, arrival ticket], zero between calls.
+    workspace = zeroed_scratch(out.device, 2 * batch) if split else out
     has_q = draft_probs is not None
     has_bonus = bonus_token_ids is not None
     _rejection_sample_kernel[(batch, num_chunks)](
@@ -612,7 +631,8 @@ def _launch_rejection(target_probs, draft_token_ids, draft_probs, seeds, offsets
         draft_probs.stride(0) if has_q else 0, draft_probs.stride(1) if has_q else 0,
         seeds.stride(0), offsets.stride(0), bonus_token_ids.stride(0) if has_bonus else 0,
         HAS_Q=has_q, HAS_BONUS=has_bonus, COUNT=counters is not None, SPLIT=split,
-        BLOCK_K=triton.next_power_of_2(k + 1), BLOCK_V=_BLOCK_V, FAST_LOG=out.is_cuda, num_warps=4,
+        BLOCK_K=triton.next_power_of_2(k + 1), BLOCK_V=block_v, FAST_LOG=out.is_cuda,
+        num_warps=num_warps or _NUM_WARPS,
     )
     return out
 
@@ -628,7 +648,7 @@ def _rejection_sample_counted_triton(target_probs, draft_token_ids, draft_probs,
     return _launch_rejection(target_probs, draft_token_ids, draft_probs, seeds, offsets, bonus_token_ids, counters)
 
 
-def _launch_draft(logits, temperature, seeds, positions, probs):
+def _launch_draft(logits, temperature, seeds, positions, probs, block_v=None, num_warps=None):
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -638,7 +658,8 @@ def _launch_draft(logits, temperature, seeds, positions, probs):
         logits, temperature, seeds, positions, out, probs if with_probs else out,
         vocab, logits.stride(0), temperature.stride(0), seeds.stride(0), positions.stride(0),
         probs.stride(0) if with_probs else 0,
-        WITH_PROBS=with_probs, BLOCK_V=_BLOCK_V, FAST_LOG=out.is_cuda, num_warps=4,
+        WITH_PROBS=with_probs, BLOCK_V=block_v or min(_DRAFT_BLOCK_V, max(16, triton.next_power_of_2(vocab))),
+        FAST_LOG=out.is_cuda, num_warps=num_warps or _DRAFT_NUM_WARPS,
     )
     return out
 

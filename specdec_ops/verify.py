@@ -66,7 +66,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import INT_DTYPES, check_counters, check_size, check_tensor
-from ._launch import sm_count
+from ._launch import sm_count, zeroed_scratch
 from ._library import register_cuda, register_fake
 from ._triton import HAS_TRITON, tl, triton
 from .output import create_output_reference
@@ -228,7 +228,6 @@ def _typical_acceptance_counted_fake(target_probs, draft_token_ids, posterior_th
 _MAX_BLOCK_V = 4096
 _MIN_CHUNK = 8192  # a program reads at least this many entries of a row when V allows
 _PROGRAMS_PER_SM = 4
-_TICKET_CAPACITY = 1 << 16  # requests; 256 KiB of int32 tickets per device
 _INTERPRETER_SMS = 4  # pretend SM count without CUDA (TRITON_INTERPRET), so small tests split rows
 
 if HAS_TRITON:
@@ -335,31 +334,6 @@ if HAS_TRITON:
                 tl.atomic_add(counters_ptr + 2, tl.sum(is_draft.to(tl.int64), axis=0), sem="relaxed")
 
 
-_tickets: dict[torch.device, torch.Tensor] = {}
-_outgrown_tickets: list[torch.Tensor] = []  # kept alive: captured CUDA graphs may still point at them
-
-
-def _is_capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _ticket_buffer(device: torch.device, batch: int) -> torch.Tensor:
-    """Zeroed per-request tickets; the kernel leaves them zeroed again."""
-    tickets = _tickets.get(device)
-    if tickets is not None and tickets.numel() >= batch:
-        return tickets
-    grown = torch.zeros(max(batch, _TICKET_CAPACITY), dtype=torch.int32, device=device)
-    if _is_capturing(device):
-        # Graph-pool memory must not outlive the capture: use these zeroed
-        # tickets for this call only (the graph replays its memset), which
-        # happens only when B exceeds the capacity during the first capture.
-        return grown
-    if tickets is not None:
-        _outgrown_tickets.append(tickets)
-    _tickets[device] = grown
-    return grown
-
-
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_SMS
@@ -393,7 +367,7 @@ def _launch(target, draft_token_ids, counters, typical, posterior_threshold=0.0,
     part_entropy = torch.empty(num_programs, dtype=torch.float32, device=device) if typical else part_max
     _verify_kernel[(num_programs,)](
         target, draft_token_ids, out, out if counters is None else counters,
-        part_max, part_argmax, part_entropy, _ticket_buffer(device, batch),
+        part_max, part_argmax, part_entropy, zeroed_scratch(device, batch),
         k, vocab, target.stride(0), target.stride(1), draft_token_ids.stride(0),
         chunk_len, num_chunks, float(posterior_threshold), float(posterior_alpha),
         TYPICAL=typical, COUNT=counters is not None,

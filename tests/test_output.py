@@ -289,3 +289,20 @@ def test_cuda_reduce_overhead_has_no_cudagraph_skips():
         verified[0].copy_(torch.rand(6, 4, device="cuda") < 0.5)  # new values, same graph
     assert dynamo_counters["inductor"]["cudagraph_skips"] == 0
     assert int(stats[2]) == 4 * 6 * 4
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("counted", [False, True])
+def test_cuda_cpp_launcher_matches_python_launcher(counted):
+    """The op's CUDA kernel launches from C++; the Python launcher of the same Triton kernel must agree."""
+    for seed, (batch, k, token_dtype, accepted_dtype) in enumerate(
+            [(1, 1, torch.int64, torch.bool), (37, 5, torch.int32, torch.int8), (300, 8, torch.int64, torch.int32)]):
+        args = [a.cuda() for a in make_verified(seed, batch, k, token_dtype=token_dtype,
+                                                accepted_dtype=accepted_dtype)]
+        if counted:
+            from_cpp, from_python = (torch.tensor([1, 2, 3], device="cuda") for _ in range(2))
+            out = torch.ops.specdec.create_output.counted(*args, from_cpp)
+            assert torch.equal(out, output._create_output_counted_triton(*args, from_python))
+            assert torch.equal(from_cpp, from_python)
+        else:
+            assert torch.equal(torch.ops.specdec.create_output.default(*args), output._create_output_triton(*args))

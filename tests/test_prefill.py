@@ -386,3 +386,15 @@ def test_cuda_no_sync():
         torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=12)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.cuda
+def test_cuda_cpp_launcher_matches_python_launcher():
+    """The op's CUDA kernel launches from C++; the Python launcher of the same Triton kernel must agree."""
+    for seed, (num_reqs, kwargs) in enumerate([(0, {}), (1, {}), (40, dict(ids_dtype=torch.int64)),
+                                                (17, dict(long_query=True, last_dtype=torch.int32))]):
+        batch = make_batch(seed, num_reqs, device="cuda", **kwargs)
+        from_cpp = torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=num_reqs + 3)
+        from_python = prefill._prepare_prefill_triton(**batch, max_num_reqs=num_reqs + 3)
+        for got, want in zip(from_cpp, from_python):
+            assert torch.equal(got, want)

@@ -1,13 +1,20 @@
 """DraftProposer: greedy drafts equal a cache-free reference over many rounds; eager == compiled; sampling; graphs.
 
-One inductor compile for the whole CPU module (module-scoped fixture, one padded size): compiles are the slow part.
+One inductor compile of the reference model for the whole CPU module (module-scoped fixture, one padded size) and
+one of the benchmark's null model: compiles are the slow part.
 """
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import specdec_ops
 from specdec_ops.model import DraftModel, DraftModelConfig, SyntheticTarget, greedy_reference
-from specdec_ops.proposer import BlockPool, DraftProposer, ProposerConfig
+from specdec_ops.proposer import AttentionMetadata, BlockPool, DraftProposer, KVCacheSpec, ProposerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from bench_propose import NullDraftModel  # noqa: E402  (the benchmark's stand-in model)
 
 
 K = 3
@@ -196,6 +203,62 @@ def test_model_paged_attention_matches_dense_on_one_sequence(model):
     for cache in kv_caches:
         assert cache.view(10, block_size, -1)[[0, 4, 6, 8]].eq(0).all()  # blocks outside the table untouched
         assert cache.view(10, block_size, -1)[blocks].ne(0).any(-1).sum() == 21  # one slot per token
+
+
+# --- the benchmark's null model (scripts/bench_propose.py) ---------------------------------
+
+
+def test_null_model_reads_every_input():
+    # If the stub ignored an input, compiled code would drop the proposer's work that produces it (dead code),
+    # and the benchmark's null-model time would no longer cover all of the proposer's own cost.
+    null = NullDraftModel(KVCacheSpec(2, 2, 16, torch.float32), 512)
+    t, c = 6, 16
+    gen = torch.Generator().manual_seed(0)
+    inputs = dict(input_ids=torch.randint(0, 512, (t,), generator=gen, dtype=torch.int32),
+                  positions=torch.randint(0, 64, (t,), generator=gen),
+                  slot_mapping=torch.randint(0, 1000, (t,), generator=gen),
+                  context_slots=torch.randint(0, 1000, (t, c), generator=gen),
+                  seq_lens=torch.randint(1, 64, (t,), generator=gen, dtype=torch.int32))
+
+    def hidden(values):
+        metadata = AttentionMetadata((), values["slot_mapping"], values["context_slots"], values["seq_lens"])
+        return null(values["input_ids"], values["positions"], metadata)
+
+    base = hidden(inputs)
+    assert base.shape == (t, 1) and base.dtype == torch.float32
+    for name, value in inputs.items():
+        bumped = value.clone()
+        if name == "context_slots":
+            bumped[torch.arange(t), value.argmax(1)] += 1  # raise each row's maximum
+        else:
+            bumped += 1
+        assert not torch.equal(hidden({**inputs, name: bumped}), base), f"the null model ignores {name}"
+
+
+def test_null_model_runs_through_the_proposer_eager_and_compiled():
+    # What the GPU benchmark does, on CPU: the same stub in a DraftProposer, eager and compiled, for a few
+    # rounds at temperature 0 and 0.8, so that an interface mismatch fails here and not on the H200.
+    vocab = MODEL_CONFIG.vocab_size
+    null = NullDraftModel(KVCacheSpec(2, 2, 16, torch.float32), vocab, seed=3)
+    eager_null = DraftProposer(null, PROPOSER_CONFIG, device="cpu", compile=False)
+    compiled_null = DraftProposer(null, PROPOSER_CONFIG, device="cpu", compile=True)
+    row_argmax = set(null.logits_table.argmax(-1).tolist())
+    sim = SyntheticTarget([eager_null, compiled_null], seed=11, vocab_size=vocab)
+    for round_index in range(4):
+        temperature = 0.8 if round_index % 2 else 0.0
+        batch = sim.next_batch(temperature=temperature, seed_base=round_index)
+        n = len(sim.batch_slots)
+        drafts, probs = eager_null.propose(**batch)
+        assert drafts.shape == (n, K) and drafts.dtype == torch.int64
+        assert probs.shape == (n, K, vocab) and probs.dtype == torch.float32
+        assert drafts.ge(0).all() and drafts.lt(vocab).all()
+        torch.testing.assert_close(probs.sum(-1), torch.ones(n, K))
+        if temperature == 0:  # greedy: every draft is the argmax of one row of the stub's logits table
+            assert set(drafts.flatten().tolist()) <= row_argmax
+        compiled_drafts, compiled_probs = compiled_null.propose(**batch)
+        assert torch.equal(compiled_drafts, drafts)  # exact: the stub's logits are table rows
+        torch.testing.assert_close(compiled_probs, probs, atol=1e-6, rtol=0)
+        sim.verify(drafts.tolist())
 
 
 # --- CUDA --------------------------------------------------------------------------------------

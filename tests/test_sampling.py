@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops import sampling
+from specdec_ops import _launch, sampling
 from specdec_ops._triton import HAS_TRITON
 
 from conftest import HAS_CUDA
@@ -88,6 +88,19 @@ def test_triton_split_vocab_matches_reference(num_chunks, has_q):
     """Several programs per row (atomic max + ticket) give the single-program answer."""
     args = make_case(7 + num_chunks, 4, 3, 2500, has_q=has_q)
     check_against_reference(run_triton, args, num_chunks=num_chunks)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_split_leaves_the_scratch_zeroed():
+    """The last program of a row resets its max slot and ticket: the next call starts clean without a memset."""
+    device = "cuda" if HAS_CUDA else "cpu"
+    for seed in range(3):
+        args = make_case(40 + seed, 5, 2, 700, has_q=seed != 1)
+        expected = specdec_ops.rejection_sample_reference(*args)
+        on_device = [None if a is None else a.to(device) for a in args]
+        got = sampling._launch_rejection(*on_device, None, num_chunks=3, block_v=256)
+        assert torch.equal(got.cpu(), expected)
+        assert int(_launch._scratch[got.device].count_nonzero()) == 0
 
 
 def test_all_outcomes_occur():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops import verify
+from specdec_ops import _launch, verify
 from specdec_ops._triton import HAS_TRITON
 
 from conftest import HAS_CUDA
@@ -328,18 +328,18 @@ def test_triton_tickets_are_left_zeroed():
         for op in OPS:
             target, draft = make(op, seed, batch, k, vocab)
             check(run_triton, op, target, draft, block_v=16, num_chunks=chunks)
-            assert verify._tickets and all(int(t.count_nonzero()) == 0 for t in verify._tickets.values())
+            assert _launch._scratch and all(int(t.count_nonzero()) == 0 for t in _launch._scratch.values())
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_ticket_buffer_grows_and_keeps_the_old_one(monkeypatch):
-    monkeypatch.setattr(verify, "_TICKET_CAPACITY", 2)
-    monkeypatch.setattr(verify, "_tickets", {})
-    monkeypatch.setattr(verify, "_outgrown_tickets", [])
+    monkeypatch.setattr(_launch, "SCRATCH_CAPACITY", 2)
+    monkeypatch.setattr(_launch, "_scratch", {})
+    monkeypatch.setattr(_launch, "_outgrown_scratch", [])
     for batch in (2, 3):
         target, draft = make_greedy(30 + batch, batch, 2, 9)
         check(run_triton, "greedy", target, draft)
-    (outgrown,), (current,) = verify._outgrown_tickets, verify._tickets.values()
+    (outgrown,), (current,) = _launch._outgrown_scratch, _launch._scratch.values()
     assert outgrown.numel() == 2 and current.numel() == 3
 
 
@@ -478,7 +478,7 @@ def test_cuda_matches_reference(op, dtype, batch, vocab):
 
 @pytest.mark.cuda
 def test_cuda_ticket_buffer_grows():
-    batch = verify._TICKET_CAPACITY + 3
+    batch = _launch.SCRATCH_CAPACITY + 3
     logits, draft = make_greedy(8, batch, 1, 3)
     out = specdec_ops.greedy_verify(logits.cuda(), draft.cuda())
     assert torch.equal(out.cpu(), specdec_ops.greedy_verify_reference(logits, draft))

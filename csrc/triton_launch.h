@@ -1,0 +1,56 @@
+// Launches Triton-compiled kernels from C++, for the ops whose whole CUDA
+// path (checks, allocation, launch) is C++ so an eager call costs one dispatch
+// and one cuLaunchKernel, with no Python in between.
+//
+// The first launch of a kernel specialization (argument dtypes, int widths,
+// constexprs, warps) asks Python to compile it with Triton and load it
+// (specdec_ops/_launch.py registers that provider); later launches reuse the
+// loaded function. The driver is reached through dlopen, so this file builds
+// against a CPU-only torch as well.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <array>
+#include <string>
+#include <vector>
+
+namespace specdec {
+
+// Launch geometry of the kernels launched from C++ (tuned on the H200);
+// specdec_ops reads it through _C._launch_geometry() for its Python launchers.
+struct PrefillGeometry {
+  static constexpr int rows = 16;        // requests per program
+  static constexpr int slots = 8;        // first tile column: a decode round's query_len + 1 slots
+  static constexpr int long_slots = 32;  // the rest of a long prompt, this many slots at a time (wider tiles
+                                         // made the short-query case slower)
+  static constexpr int num_warps = 4;
+};
+struct OutputGeometry {
+  static constexpr int block_rows = 16;  // rows per program: small tiles, many programs
+  static constexpr int num_warps = 4;
+};
+
+// One runtime argument of a Triton kernel: a tensor's data pointer or an int
+// (passed as i32 when it fits, as Triton does, else as i64).
+class KernelArgs {
+ public:
+  KernelArgs& tensor(const at::Tensor& t);
+  KernelArgs& integer(int64_t v);
+  KernelArgs& constexpr_(int64_t v);  // a tl.constexpr parameter (compiled in, not passed)
+
+ private:
+  friend void launch_triton(const char*, const at::Device&, const KernelArgs&, int, std::array<int64_t, 3>);
+  enum Kind : int8_t { kPointer, kInt32, kInt64, kConstexpr };
+  static constexpr int kMaxArgs = 32;
+  int count_ = 0;
+  Kind kinds_[kMaxArgs];
+  at::ScalarType dtypes_[kMaxArgs];  // tensors only
+  int64_t values_[kMaxArgs];         // pointer bits, int value or constexpr value
+};
+
+// Launches `kernel` (a name registered on the Python side) on the current
+// stream of `device` with the given grid and warps.
+void launch_triton(const char* kernel, const at::Device& device, const KernelArgs& args, int num_warps,
+                   std::array<int64_t, 3> grid);
+
+}  // namespace specdec
