@@ -13,24 +13,56 @@
 namespace specdec {
 namespace {
 
-// cuLaunchKernel's C signature (CUresult is an int enum; CUfunction and CUstream are pointers).
-using LaunchKernelFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
-                               void**, void**);
+// The few driver entry points used, with their C signatures (CUresult is an int enum; CUfunction, CUstream and
+// CUcontext are pointers; CUdevice is an int).
+struct Driver {
+  int (*launch_kernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
+                       void**);
+  int (*ctx_get_current)(void**);
+  int (*ctx_set_current)(void*);
+  int (*device_get)(int*, int);
+  int (*primary_ctx_retain)(void**, int);
+};
 
-LaunchKernelFn launch_kernel_fn() {
-  static LaunchKernelFn fn = [] {
-    void* driver = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    TORCH_CHECK(driver != nullptr, "specdec_ops: cannot load the CUDA driver (libcuda.so.1)");
-    auto symbol = reinterpret_cast<LaunchKernelFn>(dlsym(driver, "cuLaunchKernel"));
-    TORCH_CHECK(symbol != nullptr, "specdec_ops: the CUDA driver has no cuLaunchKernel");
-    return symbol;
+const Driver& driver() {
+  static const Driver loaded = [] {
+    void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(library != nullptr, "specdec_ops: cannot load the CUDA driver (libcuda.so.1)");
+    auto symbol = [library](const char* name) {
+      void* address = dlsym(library, name);
+      TORCH_CHECK(address != nullptr, message("specdec_ops: the CUDA driver has no ", name));
+      return address;
+    };
+    Driver d;
+    d.launch_kernel = reinterpret_cast<decltype(d.launch_kernel)>(symbol("cuLaunchKernel"));
+    d.ctx_get_current = reinterpret_cast<decltype(d.ctx_get_current)>(symbol("cuCtxGetCurrent"));
+    d.ctx_set_current = reinterpret_cast<decltype(d.ctx_set_current)>(symbol("cuCtxSetCurrent"));
+    d.device_get = reinterpret_cast<decltype(d.device_get)>(symbol("cuDeviceGet"));
+    d.primary_ctx_retain = reinterpret_cast<decltype(d.primary_ctx_retain)>(symbol("cuDevicePrimaryCtxRetain"));
+    return d;
   }();
-  return fn;
+  return loaded;
+}
+
+// A thread that has not used CUDA yet has no current context, and the device
+// guard does not set one when the device index is already the current one;
+// the driver API needs it, so bind the device's primary context (the one torch
+// and Triton use).
+void ensure_context(int device_index) {
+  void* context = nullptr;
+  if (driver().ctx_get_current(&context) == 0 && context != nullptr) return;
+  int device = 0;
+  int status = driver().device_get(&device, device_index);
+  if (status == 0) status = driver().primary_ctx_retain(&context, device);
+  if (status == 0) status = driver().ctx_set_current(context);
+  TORCH_CHECK(status == 0, message("specdec_ops: cannot make the CUDA context of device ", device_index,
+                                   " current (CUDA error ", status, ")"));
 }
 
 struct LoadedKernel {
   void* function;
   unsigned shared_bytes;
+  int num_warps;  // as compiled (Triton may change the requested count)
 };
 
 std::mutex cache_mutex;
@@ -56,35 +88,43 @@ std::string python_error() {
   return text;
 }
 
-// Asks the Python provider to compile and load one specialization.
-LoadedKernel compile_with_python(const char* kernel, const std::vector<std::pair<int, std::string>>& signature,
-                                 int num_warps) {
+// Asks the Python provider to compile and load one specialization. Each
+// signature entry is (is_int, value): a torch dtype name for a tensor, else an
+// int (0 or 2**40 for an i32 or i64 argument, the value of a constexpr).
+LoadedKernel compile_with_python(const char* kernel, const std::vector<std::pair<bool, int64_t>>& signature,
+                                 const std::vector<std::string>& dtype_names, int num_warps) {
+  TORCH_CHECK(Py_IsInitialized(), "specdec_ops: the CUDA kernels of prepare_prefill and create_output compile "
+                                  "their Triton kernels through Python, which is not running in this process");
   PyGILState_STATE gil = PyGILState_Ensure();
   std::string error;
-  LoadedKernel loaded{nullptr, 0};
+  LoadedKernel loaded{nullptr, 0, 0};
+  PyObject* spec = nullptr;
+  PyObject* result = nullptr;
   if (provider == nullptr) {
     error = "no Triton provider is registered (import specdec_ops with triton installed)";
+  } else if ((spec = PyTuple_New(static_cast<Py_ssize_t>(signature.size()))) == nullptr) {
+    error = python_error();
   } else {
-    PyObject* spec = PyTuple_New(static_cast<Py_ssize_t>(signature.size()));
-    for (size_t i = 0; i < signature.size(); ++i) {
-      const auto& [kind, text] = signature[i];
-      // Tensors by dtype name; ints by a value of their width; constexprs by value.
-      PyObject* item = kind == 0 ? PyUnicode_FromString(text.c_str()) : PyLong_FromLongLong(std::stoll(text));
-      PyTuple_SET_ITEM(spec, static_cast<Py_ssize_t>(i), item);
+    for (size_t i = 0; i < signature.size() && error.empty(); ++i) {
+      const auto& [is_int, value] = signature[i];
+      PyObject* item = is_int ? PyLong_FromLongLong(value) : PyUnicode_FromString(dtype_names[i].c_str());
+      if (item == nullptr) error = python_error();
+      else PyTuple_SET_ITEM(spec, static_cast<Py_ssize_t>(i), item);
     }
-    PyObject* result = PyObject_CallFunction(provider, "sOi", kernel, spec, num_warps);
-    Py_DECREF(spec);
-    unsigned long long function = 0;
-    unsigned int shared = 0;
-    if (result == nullptr) {
-      error = python_error();
-    } else if (!PyArg_ParseTuple(result, "KI", &function, &shared)) {
-      error = python_error();
-    } else {
-      loaded = {reinterpret_cast<void*>(function), shared};
+    if (error.empty()) {
+      result = PyObject_CallFunction(provider, "sOi", kernel, spec, num_warps);
+      unsigned long long function = 0;
+      unsigned int shared = 0;
+      int warps = 0;
+      if (result == nullptr || !PyArg_ParseTuple(result, "KIi", &function, &shared, &warps)) {
+        error = python_error();
+      } else {
+        loaded = {reinterpret_cast<void*>(function), shared, warps};
+      }
     }
-    Py_XDECREF(result);
   }
+  Py_XDECREF(result);
+  Py_XDECREF(spec);
   PyGILState_Release(gil);
   TORCH_CHECK(error.empty(), message("specdec_ops: compiling Triton kernel ", kernel, " failed: ", error));
   return loaded;
@@ -117,8 +157,10 @@ KernelArgs& KernelArgs::constexpr_(int64_t v) {
 void launch_triton(const char* kernel, const at::Device& device, const KernelArgs& args, int num_warps,
                    std::array<int64_t, 3> grid) {
   c10::DeviceGuard guard(device);
-  // The specialization key: kernel, device, warps, then per argument its kind and dtype or constexpr value.
+  ensure_context(device.index());
+  // The specialization key: kernel name, device, warps, then per argument its kind and dtype or constexpr value.
   std::string key = kernel;
+  key += '\0';
   key += static_cast<char>(device.index());
   key += static_cast<char>(num_warps);
   for (int i = 0; i < args.count_; ++i) {
@@ -126,24 +168,23 @@ void launch_triton(const char* kernel, const at::Device& device, const KernelArg
     if (args.kinds_[i] == KernelArgs::kPointer) key += static_cast<char>(args.dtypes_[i]);
     if (args.kinds_[i] == KernelArgs::kConstexpr) key.append(reinterpret_cast<const char*>(&args.values_[i]), 8);
   }
-  LoadedKernel loaded{nullptr, 0};
+  LoadedKernel loaded{nullptr, 0, 0};
   {
     std::lock_guard<std::mutex> lock(cache_mutex);
     auto found = cache.find(key);
     if (found != cache.end()) loaded = found->second;
   }
   if (loaded.function == nullptr) {
-    // Tensors by dtype name; ints by a value of their width; constexprs by value.
-    std::vector<std::pair<int, std::string>> signature;
+    std::vector<std::pair<bool, int64_t>> signature;
+    std::vector<std::string> dtype_names;
     for (int i = 0; i < args.count_; ++i) {
-      switch (args.kinds_[i]) {
-        case KernelArgs::kPointer: signature.emplace_back(0, dtype_name(args.dtypes_[i])); break;
-        case KernelArgs::kInt32: signature.emplace_back(1, "0"); break;
-        case KernelArgs::kInt64: signature.emplace_back(1, std::to_string(int64_t{1} << 40)); break;
-        case KernelArgs::kConstexpr: signature.emplace_back(1, std::to_string(args.values_[i])); break;
-      }
+      const auto kind = args.kinds_[i];
+      signature.emplace_back(kind != KernelArgs::kPointer,
+                             kind == KernelArgs::kInt64 ? int64_t{1} << 40
+                                                        : (kind == KernelArgs::kConstexpr ? args.values_[i] : 0));
+      dtype_names.push_back(kind == KernelArgs::kPointer ? dtype_name(args.dtypes_[i]) : "");
     }
-    loaded = compile_with_python(kernel, signature, num_warps);
+    loaded = compile_with_python(kernel, signature, dtype_names, num_warps);
     std::lock_guard<std::mutex> lock(cache_mutex);
     cache.emplace(key, loaded);
   }
@@ -167,10 +208,10 @@ void launch_triton(const char* kernel, const at::Device& device, const KernelArg
   }
 
   void* stream = c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(device).native_handle();
-  const int status = launch_kernel_fn()(loaded.function, static_cast<unsigned>(grid[0]),
-                                        static_cast<unsigned>(grid[1]), static_cast<unsigned>(grid[2]),
-                                        static_cast<unsigned>(32 * num_warps), 1, 1, loaded.shared_bytes, stream,
-                                        params, nullptr);
+  const int status = driver().launch_kernel(
+      loaded.function, static_cast<unsigned>(grid[0]), static_cast<unsigned>(grid[1]),
+      static_cast<unsigned>(grid[2]), static_cast<unsigned>(32 * loaded.num_warps), 1, 1, loaded.shared_bytes,
+      stream, params, nullptr);
   TORCH_CHECK(status == 0, message("specdec_ops: cuLaunchKernel failed for ", kernel, " with CUDA error ", status));
 }
 

@@ -38,21 +38,31 @@ def zeroed_scratch(device: torch.device, numel: int) -> torch.Tensor:
 
     A kernel that combines its programs' results through it (atomic tickets and maxima) must set every entry it
     touched back to 0 before it finishes, so each call and each CUDA-graph replay starts from zeros without a
-    memset. Calls are ordered by their stream: two streams running such kernels at the same time on one device
-    would share the buffer, which is not supported.
+    memset. Calls are ordered by their stream: two streams running such kernels (rejection_sample, greedy_verify,
+    typical_acceptance) at the same time on one device would share the buffer, which is not supported.
     """
     scratch = _scratch.get(device)
     if scratch is not None and scratch.numel() >= numel:
         return scratch
     grown = torch.zeros(max(numel, SCRATCH_CAPACITY), dtype=torch.int64, device=device)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        # Graph-pool memory must not outlive the capture: these zeros serve this call only (the graph replays
-        # their memset). It happens only when a first capture needs more than the capacity.
+    if device.type == "cuda" and (torch.cuda.is_current_stream_capturing() or not _in_default_pool(grown)):
+        # Memory of a CUDA-graph pool (a capture, or torch.compile's cudagraph warmup) can be reclaimed by the
+        # graph machinery behind a tensor it does not track: these zeros serve this call only (a captured graph
+        # replays their memset), and a later call outside any pool allocates the persistent buffer.
         return grown
     if scratch is not None:
         _outgrown_scratch.append(scratch)
     _scratch[device] = grown
     return grown
+
+
+def _in_default_pool(t: torch.Tensor) -> bool:
+    """Whether t's memory is in the CUDA caching allocator's default pool (one snapshot: call rarely)."""
+    address = t.data_ptr()
+    for segment in torch.cuda.memory_snapshot():
+        if segment["address"] <= address < segment["address"] + segment["total_size"]:
+            return tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0)
+    return False
 
 
 class CachedLaunch:
@@ -82,21 +92,34 @@ class CachedLaunch:
 # kernel and load it; C++ keeps the loaded function.
 
 _KERNELS_FOR_CPP = {}
+_LOADED_FOR_CPP = []  # the compiled kernels whose functions C++ holds: dropping one would unload its module
 
 
 def expose_to_cpp(name: str, kernel) -> None:
-    """Makes a Triton kernel launchable from C++ under `name`."""
+    """Makes a Triton kernel launchable from C++ under `name`.
+
+    C++ compiles one binary per argument dtypes, int widths and constexprs, and uses it for every value, so no
+    runtime parameter may be specialized on its value or alignment.
+    """
+    params = getattr(kernel, "params", ())  # none under TRITON_INTERPRET, where nothing launches from C++
+    loose = [p.name for p in params
+             if not p.is_constexpr and not (p.do_not_specialize or p.do_not_specialize_on_alignment)]
+    if loose:
+        raise ValueError(f"{name}: parameters {loose} must be listed in do_not_specialize (ints) or "
+                         f"do_not_specialize_on_alignment (pointers) to be launched from C++")
     _KERNELS_FOR_CPP[name] = kernel
 
 
-def _compile_for_cpp(name: str, signature: tuple, num_warps: int) -> tuple[int, int]:
-    """Compiles and loads one specialization; returns (CUfunction handle, dynamic shared memory bytes).
+def _compile_for_cpp(name: str, signature: tuple, num_warps: int) -> tuple[int, int, int]:
+    """Compiles and loads one specialization; returns (CUfunction handle, dynamic shared memory bytes, warps).
 
     `signature` lists the kernel's parameters in order: a torch dtype name for a tensor, an int of the argument's
     width (0 for i32, 2**40 for i64) for a runtime int, the value for a constexpr.
     """
     args = [getattr(torch, a) if isinstance(a, str) else a for a in signature]
     compiled = _KERNELS_FOR_CPP[name].warmup(*args, grid=(1,), num_warps=num_warps)
+    if compiled is None or not hasattr(compiled, "_init_handles"):
+        raise RuntimeError(f"Triton returned no compiled kernel for {name} (TRITON_INTERPRET set, or a cache hook?)")
     compiled._init_handles()
     metadata = compiled.metadata
     needs = [what for what, used in (
@@ -105,10 +128,12 @@ def _compile_for_cpp(name: str, signature: tuple, num_warps: int) -> tuple[int, 
         ("profiler scratch memory", getattr(metadata, "profile_scratch_size", 0)),
         ("a cooperative launch", getattr(metadata, "launch_cooperative_grid", False)),
         ("programmatic dependent launch", getattr(metadata, "launch_pdl", False)),
+        ("sanitizer parameters", "gsan" in str(getattr(metadata, "instrumentation_mode", "") or "")),
     ) if used]
     if needs:
         raise RuntimeError(f"Triton kernel {name} needs {', '.join(needs)}, which the C++ launcher does not set up")
-    return int(compiled.function), int(metadata.shared)
+    _LOADED_FOR_CPP.append(compiled)
+    return int(compiled.function), int(metadata.shared), int(metadata.num_warps)
 
 
 def _register_provider() -> None:

@@ -554,6 +554,7 @@ if HAS_TRITON:
         best_idx = tl.full([BLOCK_V], 0, tl.int32) + vocab
         lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
         lane_sum = tl.zeros([BLOCK_V], tl.float32)
+        lane_nan = tl.zeros([BLOCK_V], tl.int1)  # the GPU's max drops NaN; softmax must not
         for v0 in range(0, vocab, BLOCK_V):
             v = v0 + tl.arange(0, BLOCK_V)
             in_row = v < vocab
@@ -573,6 +574,7 @@ if HAS_TRITON:
                 finite = new_max > float("-inf")  # exp(-inf - -inf) would be NaN
                 lane_sum = tl.where(finite, lane_sum * tl.exp(lane_max - new_max) + tl.exp(z - new_max), 0.0)
                 lane_max = new_max
+                lane_nan = lane_nan | (z != z)
         top = tl.max(best_key)
         token = tl.min(tl.where(best_key == top, best_idx, vocab))
         token = tl.minimum(token, vocab - 1)  # all-NaN rows: stay in range
@@ -584,7 +586,8 @@ if HAS_TRITON:
                 # Pass 2: the lanes' sums, rescaled to the row max, normalize exp(z - max).
                 m = tl.max(lane_max)
                 total = tl.sum(tl.where(lane_max > float("-inf"), lane_sum * tl.exp(lane_max - m), 0.0))
-                inv_total = 1.0 / total
+                has_nan = tl.max(lane_nan.to(tl.int32)) > 0
+                inv_total = tl.where(has_nan, float("nan"), 1.0 / total)  # a NaN logit: a NaN row, as softmax
                 for v0 in range(0, vocab, BLOCK_V):
                     v = v0 + tl.arange(0, BLOCK_V)
                     in_row = v < vocab

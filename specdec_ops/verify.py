@@ -57,9 +57,10 @@ the output row, adds the counters atomically and sets the ticket back to 0,
 so every call (and every CUDA graph replay) starts from zeroed tickets with no
 memset launch. C (chunks per row) depends only on shapes: more chunks when B
 is small so the whole GPU reads V. The tickets live in one persistent buffer
-per device, so two calls running concurrently on different streams of one
-device would race on them; serialise such calls (or give each stream its own
-process). No host sync, no host-side data: graph-capturable.
+per device (`_launch.zeroed_scratch`, shared with rejection_sample), so two
+such calls running concurrently on different streams of one device would race
+on them; serialise such calls (or give each stream its own process). No host
+sync, no host-side data: graph-capturable.
 """
 from __future__ import annotations
 

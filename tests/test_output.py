@@ -306,3 +306,25 @@ def test_cuda_cpp_launcher_matches_python_launcher(counted):
             assert torch.equal(from_cpp, from_python)
         else:
             assert torch.equal(torch.ops.specdec.create_output.default(*args), output._create_output_triton(*args))
+
+
+@pytest.mark.parametrize("overload", ["default", "counted"])
+def test_cuda_kernel_is_the_cpp_launcher(overload):
+    """The CUDA kernel is registered by csrc/create_output.cpp (no Python on the eager path), on any build."""
+    name = "specdec::create_output" + ("" if overload == "default" else ".counted")
+    cuda_lines = [line for line in torch._C._dispatch_dump(name).splitlines() if line.startswith("CUDA:")]
+    assert len(cuda_lines) == 1 and "create_output.cpp" in cuda_lines[0], cuda_lines
+
+
+@pytest.mark.cuda
+def test_cuda_call_from_a_fresh_thread():
+    """A thread that never used CUDA gets the device's context before the C++ launch."""
+    import threading
+
+    args = [a.cuda() for a in make_verified(5, 33, 4)]
+    expected = specdec_ops.create_output(*args)  # compiled and loaded on this thread
+    results = []
+    worker = threading.Thread(target=lambda: results.append(specdec_ops.create_output(*args)))
+    worker.start()
+    worker.join()
+    assert len(results) == 1 and torch.equal(results[0], expected)

@@ -398,3 +398,22 @@ def test_cuda_cpp_launcher_matches_python_launcher():
         from_python = prefill._prepare_prefill_triton(**batch, max_num_reqs=num_reqs + 3)
         for got, want in zip(from_cpp, from_python):
             assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("op", ["prepare_prefill", "prepare_prefill_into"])
+def test_cuda_kernel_is_the_cpp_launcher(op):
+    """The CUDA kernel is registered by csrc/prepare_prefill.cpp (no Python on the eager path), on any build."""
+    cuda_lines = [line for line in torch._C._dispatch_dump(f"specdec::{op}").splitlines() if line.startswith("CUDA:")]
+    assert len(cuda_lines) == 1 and "prepare_prefill.cpp" in cuda_lines[0], cuda_lines
+
+
+@pytest.mark.cuda
+def test_cuda_int64_scalar_arguments():
+    """A max_model_len past 2**31 is passed to the kernel as i64 (its own compiled specialization)."""
+    batch = make_batch(7, 9, device="cuda")
+    batch["max_model_len"] = 2**40
+    got = torch.ops.specdec.prepare_prefill(**batch)
+    want = prefill.prepare_prefill_reference(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                                for k, v in batch.items()})
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu(), w)

@@ -103,6 +103,20 @@ def test_triton_split_leaves_the_scratch_zeroed():
         assert int(_launch._scratch[got.device].count_nonzero()) == 0
 
 
+@pytest.mark.cuda
+def test_cuda_scratch_allocated_in_a_graph_pool_is_not_kept(monkeypatch):
+    """Scratch first allocated inside a private memory pool (as during cudagraph warmup) serves that call only."""
+    if not hasattr(torch.cuda, "MemPool"):
+        pytest.skip("torch.cuda.MemPool is missing")
+    monkeypatch.setattr(_launch, "_scratch", {})
+    device = torch.device("cuda", torch.cuda.current_device())
+    with torch.cuda.use_mem_pool(torch.cuda.MemPool()):
+        in_pool = _launch.zeroed_scratch(device, 10)
+    assert device not in _launch._scratch and int(in_pool.count_nonzero()) == 0
+    kept = _launch.zeroed_scratch(device, 10)
+    assert _launch._scratch[device] is kept
+
+
 def test_all_outcomes_occur():
     """The agreement tests above see rejections at every column, all-accepted rows and the bonus."""
     args = make_case(11, 64, 3, 37)
@@ -333,6 +347,37 @@ def test_sample_draft_matches_reference(kernel, dtype, rows, vocab):
     one_hot = torch.nn.functional.one_hot(expected[greedy], vocab).float()
     assert torch.equal(probs[greedy], one_hot)
     torch.testing.assert_close(probs[~greedy], torch.softmax(args[0].float()[~greedy] / args[1][~greedy, None], -1))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_sample_draft_online_softmax_across_blocks():
+    """Rows spanning many blocks: a running max that grows, -inf before and after finite logits, NaN."""
+    vocab = 100
+    inf, nan = float("inf"), float("nan")
+    ramp = torch.linspace(-30.0, 30.0, vocab)
+    rows = [ramp, ramp.flip(0), torch.randn(vocab) * 20]
+    late = torch.full((vocab,), -inf)
+    late[70:] = torch.randn(30)  # lanes start at -inf, then turn finite
+    early = torch.full((vocab,), -inf)
+    early[:20] = torch.randn(20)  # finite, then a tail of -inf
+    rows += [late, early]
+    with_nan = torch.randn(vocab)
+    with_nan[3] = nan  # in the first block, while every lane's max is still -inf
+    rows.append(with_nan)
+    logits = torch.stack(rows)
+    n = logits.shape[0]
+    temperature = torch.tensor([0.7, 1.0, 2.0, 0.5, 1.3, 1.0])
+    seeds, positions = torch.arange(n) * 11, torch.arange(n) + 100
+    device = "cuda" if HAS_CUDA else "cpu"
+    probs = torch.empty(n, vocab, device=device)
+    args = [t.to(device) for t in (logits, temperature, seeds, positions)]
+    tokens = sampling._launch_draft(*args, probs, block_v=16).cpu()
+    expected_probs = torch.empty(n, vocab)
+    expected = specdec_ops.sample_draft_reference(logits, temperature, seeds, positions, probs=expected_probs)
+    assert torch.equal(tokens[:-1], expected[:-1])  # the NaN row's token is unspecified (but in range)
+    assert 0 <= int(tokens[-1]) < vocab
+    torch.testing.assert_close(probs.cpu(), expected_probs, rtol=1e-5, atol=1e-7, equal_nan=True)
+    assert probs[-1].isnan().all()
 
 
 @pytest.mark.parametrize("kernel", DRAFT_KERNELS)
