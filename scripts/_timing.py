@@ -46,3 +46,19 @@ def graph_us(fn, replays: int) -> float:
         samples.append(begin.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
     del graph
     return statistics.median(samples)
+
+
+def median_ms(fn, iters: int, warmup: int) -> float:
+    """Milliseconds per call between CUDA events recorded around it (one call at a time), median over iters."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 
 import torch
 from torch import nn
 
+from _timing import median_ms  # noqa: E402  (scripts/ is on sys.path when run as a script)
 from specdec_ops.model import BENCH_CONFIG, DraftModel
 from specdec_ops.proposer import AttentionMetadata, BlockPool, DraftProposer, KVCacheSpec, ProposerConfig
 
@@ -113,21 +113,6 @@ def make_round(num_reqs: int, proposers, seed: int, device="cuda") -> dict:
         temperature=torch.full((num_reqs,), 0.8, device=device),
         seeds=torch.arange(num_reqs, device=device),
     )
-
-
-def median_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def measure(num_reqs: int, model: DraftModel, null_model: NullDraftModel, iters: int, eager_iters: int):

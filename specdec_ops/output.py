@@ -183,14 +183,14 @@ if HAS_TRITON:
     expose_to_cpp("create_output", _create_output_kernel)
 
 
-def _launch(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters,
-            block_rows=_GEOMETRY["block_rows"], num_warps=_GEOMETRY["num_warps"]):
+def _launch(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters):
     """One launch of the Triton kernel from Python (inputs already validated): the TRITON_INTERPRET path of the
     tests, and a second path to compare the C++ launcher with."""
     batch, k = draft_token_ids.shape
     out = torch.empty((batch, k + 1), dtype=draft_token_ids.dtype, device=draft_token_ids.device)
     if batch == 0:
         return out
+    block_rows = _GEOMETRY["block_rows"]
     grid = (triton.cdiv(batch, block_rows),)
     _launch_kernel(
         grid,
@@ -198,7 +198,7 @@ def _launch(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, co
          batch, k,
          accepted.stride(0), substitute_token_ids.stride(0), draft_token_ids.stride(0), bonus_token_ids.stride(0)),
         (block_rows, triton.next_power_of_2(k + 1), counters is not None),
-        num_warps=num_warps,
+        num_warps=_GEOMETRY["num_warps"],
     )
     return out
 

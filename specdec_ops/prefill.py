@@ -368,13 +368,13 @@ if HAS_TRITON:
 
 
 def _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-            max_model_len, out_ids, out_positions, out_last, out_qsl, out_seq_lens, rows=_GEOMETRY["rows"],
-            slots=_GEOMETRY["slots"], num_warps=_GEOMETRY["num_warps"]) -> None:
+            max_model_len, out_ids, out_positions, out_last, out_qsl, out_seq_lens) -> None:
     """One launch of the Triton kernel from Python (inputs already validated): the TRITON_INTERPRET path of the
     tests, and a second path to compare the C++ launcher with."""
     num_tokens = input_ids.shape[0]
     num_reqs = query_start_loc.shape[0] - 1
     max_num_reqs = out_last.shape[0]
+    rows, slots = _GEOMETRY["rows"], _GEOMETRY["slots"]
     grid = (max(triton.cdiv(max_num_reqs + 1, rows), triton.cdiv(num_tokens + num_reqs, rows * slots)),)
     _launch_kernel(
         grid,
@@ -382,7 +382,7 @@ def _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_s
          out_ids, out_positions, out_last, out_qsl, out_seq_lens,
          num_tokens, num_reqs, max(last_sampled.shape[0], 1), max_num_reqs, max_model_len),
         (rows, slots, _GEOMETRY["long_slots"]),
-        num_warps=num_warps,
+        num_warps=_GEOMETRY["num_warps"],
     )
 
 

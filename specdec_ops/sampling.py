@@ -614,7 +614,7 @@ def _plan_rejection(batch: int, vocab: int, device: torch.device, num_chunks=Non
 
 
 def _launch_rejection(target_probs, draft_token_ids, draft_probs, seeds, offsets, bonus_token_ids, counters,
-                      num_chunks=None, block_v=None, num_warps=None):
+                      num_chunks=None, block_v=None):
     batch, k = draft_token_ids.shape
     vocab = target_probs.shape[2]
     out = torch.empty((batch, k + 1), dtype=draft_token_ids.dtype, device=draft_token_ids.device)
@@ -635,7 +635,7 @@ def _launch_rejection(target_probs, draft_token_ids, draft_probs, seeds, offsets
         seeds.stride(0), offsets.stride(0), bonus_token_ids.stride(0) if has_bonus else 0,
         HAS_Q=has_q, HAS_BONUS=has_bonus, COUNT=counters is not None, SPLIT=split,
         BLOCK_K=triton.next_power_of_2(k + 1), BLOCK_V=block_v, FAST_LOG=out.is_cuda,
-        num_warps=num_warps or _NUM_WARPS,
+        num_warps=_NUM_WARPS,
     )
     return out
 
@@ -651,7 +651,7 @@ def _rejection_sample_counted_triton(target_probs, draft_token_ids, draft_probs,
     return _launch_rejection(target_probs, draft_token_ids, draft_probs, seeds, offsets, bonus_token_ids, counters)
 
 
-def _launch_draft(logits, temperature, seeds, positions, probs, block_v=None, num_warps=None):
+def _launch_draft(logits, temperature, seeds, positions, probs, block_v=None):
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -662,7 +662,7 @@ def _launch_draft(logits, temperature, seeds, positions, probs, block_v=None, nu
         vocab, logits.stride(0), temperature.stride(0), seeds.stride(0), positions.stride(0),
         probs.stride(0) if with_probs else 0,
         WITH_PROBS=with_probs, BLOCK_V=block_v or min(_DRAFT_BLOCK_V, max(16, triton.next_power_of_2(vocab))),
-        FAST_LOG=out.is_cuda, num_warps=num_warps or _DRAFT_NUM_WARPS,
+        FAST_LOG=out.is_cuda, num_warps=_DRAFT_NUM_WARPS,
     )
     return out
 
