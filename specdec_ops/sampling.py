@@ -76,9 +76,10 @@ wins). The race needs no normalization and does not depend on the order in
 which V is visited, so chunked kernels agree with the reference up to
 last-ulp differences of log between libraries. The CUDA kernels take log from
 the hardware lg2.approx (absolute error ~2**-22 in log2, so E is off by up to
-~1e-5 relative just above w = 2**-7, far less elsewhere) and divide with
-div.full; a token differs from the reference only if its two best race keys
-are that close. The CUDA tests compare exactly with fixed seeds.
+~1e-5 relative just above w = 2**-7, far less elsewhere); rejection_sample
+compares keys r/E within a lane by cross-multiplying and divides (div.full)
+once per lane. A token differs from the reference only if its two best race
+keys are that close. The CUDA tests compare exactly with fixed seeds.
 sample_draft uses the equivalent Gumbel form argmax_v logits_v / T - log(E_v)
 (no softmax needed).
 
@@ -94,8 +95,9 @@ the counters. The slot and ticket live in the persistent zeroed scratch of
 `_launch.zeroed_scratch`, which the last program resets, so a call is one
 launch with no memset (two streams must not run these kernels on one device
 at the same time); it is used only when V is split. The number of chunks
-depends only on B, V and the SM count: chunks of at most 8192 tokens, more
-when needed for about 4 programs per SM. A row whose residual has no positive
+depends only on B, V and the SM count: chunks of at most 16384 tokens, more
+when needed for about 2 programs per SM; each program pipelines its chunk's
+loads (Triton's async copies, 3 stages). A row whose residual has no positive
 key is redrawn from p_j by the last program alone (a slow path: it needs
 p_j <= q_j everywhere, i.e. p_j == q_j up to rounding, and a rejection there
 needs q_j(x_j) == 0 or rounding). sample_draft's kernel is one program per row
@@ -373,11 +375,13 @@ def _sample_draft_with_probs_fake(logits, temperature, seeds, positions, probs):
 
 # --- Triton kernels ---------------------------------------------------------------------------
 
-# Tuned on the H200 (benchmarks/RESULTS.md): 8 warps over 1024-entry blocks, at most 8 blocks per program.
+# Tuned on the H200 (benchmarks/RESULTS.md): 4 warps over 1024-entry blocks, three pipeline stages, chunks of at
+# most 16 blocks, and about two programs per SM when the batch is small.
 _BLOCK_V = 1024
-_NUM_WARPS = 8
-_MAX_CHUNK = 8 * _BLOCK_V  # longer rows are split even when the batch alone fills the GPU
-_PROGRAMS_PER_SM = 4
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+_MAX_CHUNK = 16 * _BLOCK_V  # longer rows are split even when the batch alone fills the GPU
+_PROGRAMS_PER_SM = 2
 # sample_draft: one program per row, so wide blocks keep a row's passes short.
 _DRAFT_BLOCK_V = 4096
 _DRAFT_NUM_WARPS = 16
@@ -417,7 +421,8 @@ if HAS_TRITON:
     def _log_tl(x, FAST_LOG: tl.constexpr):
         """log(x); on the GPU through the hardware lg2.approx (a few ulps, far cheaper than libdevice logf)."""
         if FAST_LOG:
-            log2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+            # ftz: the inputs (1 - w, or E >= 2**-33) are never subnormal, so skip the subnormal fixup.
+            log2 = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
                                              is_pure=True, pack=1)
             return log2 * 0.6931471805599453
         else:
@@ -436,7 +441,7 @@ if HAS_TRITON:
         p_stride_b, p_stride_i, draft_stride_b, q_stride_b, q_stride_i,
         seed_stride, offset_stride, bonus_stride,
         HAS_Q: tl.constexpr, HAS_BONUS: tl.constexpr, COUNT: tl.constexpr, SPLIT: tl.constexpr,
-        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, FAST_LOG: tl.constexpr,
+        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, FAST_LOG: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         chunk = tl.program_id(1)
@@ -460,9 +465,11 @@ if HAS_TRITON:
         accepted = valid & (u * q_x < p_x)
         first_rejected = tl.min(tl.where(in_k & (~accepted), i, k))
 
-        # Race at the first rejected position (residual) or at position k (bonus).
+        # Race at the first rejected position (residual) or at position k (bonus). The race state of every
+        # candidate position is hashed while the loads above are in flight; j only selects one.
+        race_states = _row_state_tl(seed, offset + i, tl.where(i < k, 3, 4))  # RESIDUAL or BONUS
         j = first_rejected
-        race_state = _row_state_tl(seed, offset + j, tl.where(j < k, 3, 4))  # RESIDUAL or BONUS
+        race_state = tl.max(tl.where(i == j, race_states, 0))
         draft_j = tl.max(tl.where(i == j, draft, -1))  # -1 at the bonus position: matches no token
         p_race = p_row + j * p_stride_i
         q_race = q_ptr + row * q_stride_b + j * q_stride_i
@@ -470,23 +477,30 @@ if HAS_TRITON:
             need_race = j < k
         else:
             need_race = j <= k
-        best_key = tl.full([BLOCK_V], -1.0, tl.float32)
+        # Each lane keeps its best entry as (residual, exponential), key = residual / exponential, and compares
+        # by cross-multiplying (both exponentials are > 0): no division per entry.
+        best_residual = tl.full([BLOCK_V], -1.0, tl.float32)
+        best_exp = tl.full([BLOCK_V], 1.0, tl.float32)
         best_idx = tl.full([BLOCK_V], 0, tl.int32) + vocab
         if need_race:
             start = chunk * chunk_len
             end = tl.minimum(start + chunk_len, vocab)
-            for v0 in range(start, end, BLOCK_V):
-                v = v0 + tl.arange(0, BLOCK_V)
+            # NUM_STAGES > 1: Triton copies the next blocks in asynchronously while this one is raced.
+            for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
+                v = tl.multiple_of(v0, BLOCK_V) + tl.arange(0, BLOCK_V)  # chunks start at multiples of BLOCK_V
                 in_chunk = v < end
                 p = tl.load(p_race + v, mask=in_chunk, other=0.0).to(tl.float32)
                 if HAS_Q:
-                    q = tl.load(q_race + v, mask=in_chunk & (v * 0 + j < k), other=0.0).to(tl.float32)
+                    q = tl.load(q_race + v, mask=in_chunk & (v * 0 + j < k), other=0.0).to(tl.float32)  # bonus: q = 0
                 else:
                     q = tl.where(v == draft_j, 1.0, 0.0)
-                key = tl.maximum(p - q, 0.0) / _exponential_tl(_draw_bits_tl(race_state, v), FAST_LOG)
-                better = in_chunk & (key > best_key)
-                best_key = tl.where(better, key, best_key)
+                residual = tl.maximum(p - q, 0.0)
+                exponential = _exponential_tl(_draw_bits_tl(race_state, v), FAST_LOG)
+                better = in_chunk & (residual * best_exp > best_residual * exponential)
+                best_residual = tl.where(better, residual, best_residual)
+                best_exp = tl.where(better, exponential, best_exp)
                 best_idx = tl.where(better, v, best_idx)
+        best_key = best_residual / best_exp
         chunk_key = tl.max(best_key)
         chunk_idx = tl.min(tl.where(best_key == chunk_key, best_idx, vocab))
         # Packed so that int64 max = larger key, then lower index (keys are >= 0 or the -1 sentinel).
@@ -522,6 +536,7 @@ if HAS_TRITON:
                         fb_idx = tl.where(better, v, fb_idx)
                     top = tl.max(fb_key)
                     token = tl.min(tl.where(fb_key == top, fb_idx, vocab)).to(tl.int64)
+                token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # rows of NaN or inf: unspecified, in range
             if HAS_BONUS:
                 bonus = tl.load(bonus_ptr + row * bonus_stride).to(tl.int64)
             else:
@@ -634,7 +649,7 @@ def _launch_rejection(target_probs, draft_token_ids, draft_probs, seeds, offsets
         draft_probs.stride(0) if has_q else 0, draft_probs.stride(1) if has_q else 0,
         seeds.stride(0), offsets.stride(0), bonus_token_ids.stride(0) if has_bonus else 0,
         HAS_Q=has_q, HAS_BONUS=has_bonus, COUNT=counters is not None, SPLIT=split,
-        BLOCK_K=triton.next_power_of_2(k + 1), BLOCK_V=block_v, FAST_LOG=out.is_cuda,
+        BLOCK_K=triton.next_power_of_2(k + 1), BLOCK_V=block_v, NUM_STAGES=_NUM_STAGES, FAST_LOG=out.is_cuda,
         num_warps=_NUM_WARPS,
     )
     return out

@@ -187,6 +187,27 @@ def test_out_of_range_draft_ids_are_rejected(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("num_chunks", [None, 3])
+def test_non_finite_probabilities_give_tokens_in_range(kernel, num_chunks):
+    """Rows of NaN, inf, negative or zero probabilities have unspecified tokens, but never ones outside [0, V)."""
+    vocab = 700
+    p, draft, q, seeds, offsets, _ = make_case(3, 7, 3, vocab, invalid_ids=False)
+    nan, inf = float("nan"), float("inf")
+    p[0] = nan
+    q[1] = nan
+    p[2, :, ::7] = inf
+    p[3] = -1.0
+    q[4] = inf
+    p[5] = 0.0
+    p[6, :, 1::2] = nan
+    for has_q in (True, False):
+        out = kernel((p, draft, q if has_q else None, seeds, offsets, None), num_chunks=num_chunks)
+        emitted = out[out != -1]
+        assert ((emitted >= 0) & (emitted < vocab)).all(), out
+        assert (out[:, 0] != -1).all()  # every row emits at least one token
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_known_cases(kernel):
     vocab = 5
     # p == one-hot(draft) -> always accepted; bonus given.
