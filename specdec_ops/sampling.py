@@ -95,9 +95,9 @@ the counters. The slot and ticket live in the persistent zeroed scratch of
 `_launch.zeroed_scratch`, which the last program resets, so a call is one
 launch with no memset (two streams must not run these kernels on one device
 at the same time); it is used only when V is split. The number of chunks
-depends only on B, V and the SM count: chunks of at most 16384 tokens, more
-when needed for about 2 programs per SM; each program pipelines its chunk's
-loads (Triton's async copies, 3 stages). A row whose residual has no positive
+depends only on B, V and the SM count: chunks of at most 8192 tokens, more
+when needed for one program per SM; each program pipelines its chunk's loads
+(Triton's async copies, 4 stages). A row whose residual has no positive
 key is redrawn from p_j by the last program alone (a slow path: it needs
 p_j <= q_j everywhere, i.e. p_j == q_j up to rounding, and a rejection there
 needs q_j(x_j) == 0 or rounding). sample_draft's kernel is one program per row
@@ -375,13 +375,13 @@ def _sample_draft_with_probs_fake(logits, temperature, seeds, positions, probs):
 
 # --- Triton kernels ---------------------------------------------------------------------------
 
-# Tuned on the H200 (benchmarks/RESULTS.md): 4 warps over 1024-entry blocks, three pipeline stages, chunks of at
-# most 16 blocks, and about two programs per SM when the batch is small.
-_BLOCK_V = 1024
+# Tuned on the H200 (benchmarks/RESULTS.md): 4 warps over 512-entry blocks, four pipeline stages, chunks of at
+# most 16 blocks, and at least one program per SM when the batch is small.
+_BLOCK_V = 512
 _NUM_WARPS = 4
-_NUM_STAGES = 3
+_NUM_STAGES = 4
 _MAX_CHUNK = 16 * _BLOCK_V  # longer rows are split even when the batch alone fills the GPU
-_PROGRAMS_PER_SM = 2
+_PROGRAMS_PER_SM = 1
 # sample_draft: one program per row, so wide blocks keep a row's passes short.
 _DRAFT_BLOCK_V = 4096
 _DRAFT_NUM_WARPS = 16
@@ -500,11 +500,10 @@ if HAS_TRITON:
                 best_residual = tl.where(better, residual, best_residual)
                 best_exp = tl.where(better, exponential, best_exp)
                 best_idx = tl.where(better, v, best_idx)
+        # Packed so that int64 max = larger key, then lower index (keys are >= 0 or the -1 sentinel): one
+        # reduction over the lanes, and the same order for the atomic max across chunks.
         best_key = best_residual / best_exp
-        chunk_key = tl.max(best_key)
-        chunk_idx = tl.min(tl.where(best_key == chunk_key, best_idx, vocab))
-        # Packed so that int64 max = larger key, then lower index (keys are >= 0 or the -1 sentinel).
-        packed = (chunk_key.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (vocab - 1 - chunk_idx).to(tl.int64)
+        packed = tl.max((best_key.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (vocab - 1 - best_idx).to(tl.int64))
 
         if SPLIT:
             # The ticket's release orders this program's max before it; the last
