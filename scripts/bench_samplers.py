@@ -11,8 +11,10 @@ create_output_reference).
 
 Every call of that graph reads the same inputs, so rows that fit in the L2
 cache (50 MB on the H200) may be served from it. The "cold" columns replay a
-graph whose consecutive calls read different input sets, enough of them that
-the rows the kernel reads add up to at least 4x the L2 size (at most 32 sets).
+graph whose consecutive calls read different input sets, in turn, enough of
+them that the bytes one turn reads add up to at least 4x the L2 size; the set
+count divides the graph's call count, so every set is read once per that many
+calls. Rows that would need more sets than the graph has calls get "-".
 
 Rows are produced by the functions in BENCHES, each
 ``fn(batch, vocab, replays) -> list[Row]``; add a function to add rows.
@@ -71,6 +73,12 @@ def make_rejection_inputs(batch: int, vocab: int, device: str = "cuda", seed: in
     return p, draft, q, seeds, offsets
 
 
+def cold_set_count(floor_bytes: int) -> int | None:
+    """Input sets a cold graph cycles through: a divisor of CALLS_PER_GRAPH reading >= 4x L2; None if none does."""
+    needed = -(-4 * torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size // floor_bytes)
+    return next((n for n in range(needed, CALLS_PER_GRAPH + 1) if CALLS_PER_GRAPH % n == 0), None)
+
+
 def rejection_sample_rows(batch: int, vocab: int, replays: int) -> list[Row]:
     p, draft, q, seeds, offsets = make_rejection_inputs(batch, vocab)
     counters = torch.zeros(3, dtype=torch.int64, device="cuda")
@@ -79,18 +87,23 @@ def rejection_sample_rows(batch: int, vocab: int, replays: int) -> list[Row]:
         if not torch.equal(specdec_ops.rejection_sample(p, draft, q, seeds, offsets), expected):
             print(f"note: B={batch} V={vocab}: kernel differs from the reference (a last-ulp race tie?)")
     floor = 2 * batch * vocab * 4
-    num_sets = min(32, -(-4 * torch.cuda.get_device_properties(0).L2_cache_size // floor))
-    sets = [(p, draft, q, seeds, offsets)] + [make_rejection_inputs(batch, vocab, seed=s) for s in range(1, num_sets)]
     torch_us = graph_us(lambda: rejection_torch(p, draft, q), replays)
+    sets = [(p, draft, q, seeds, offsets)]
     rows = []
     for name, with_q, floor_bytes in (("rejection_sample", True, floor),
                                       # Deterministic draft (q one-hot): only p is read.
                                       ("rejection_sample (draft_probs=None)", False, floor // 2)):
-        calls = [lambda s=s: specdec_ops.rejection_sample(s[0], s[1], s[2] if with_q else None, s[3], s[4],
-                                                          counters=counters) for s in sets]
-        turn = iter(range(10**9))  # the graph records CALLS_PER_GRAPH calls in turn over the sets
-        rows.append(Row(name, batch, vocab, graph_us(calls[0], replays),
-                        graph_us(lambda: calls[next(turn) % num_sets](), replays), floor_bytes,
+        def call(inputs, with_q=with_q):
+            p, draft, q, seeds, offsets = inputs
+            return specdec_ops.rejection_sample(p, draft, q if with_q else None, seeds, offsets, counters=counters)
+
+        num_sets = cold_set_count(floor_bytes)
+        cold_us = None
+        if num_sets is not None:
+            sets += [make_rejection_inputs(batch, vocab, seed=s) for s in range(len(sets), num_sets)]
+            turn = iter(range(10**9))  # warm-up and captured calls take the sets in turn
+            cold_us = graph_us(lambda: call(sets[next(turn) % num_sets]), replays)
+        rows.append(Row(name, batch, vocab, graph_us(lambda: call(sets[0]), replays), cold_us, floor_bytes,
                         torch_us if with_q else None))
     return rows
 

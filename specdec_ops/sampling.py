@@ -77,9 +77,9 @@ which V is visited, so chunked kernels agree with the reference up to
 last-ulp differences of log between libraries. The CUDA kernels take log from
 the hardware lg2.approx (absolute error ~2**-22 in log2, so E is off by up to
 ~1e-5 relative just above w = 2**-7, far less elsewhere); rejection_sample
-compares keys r/E within a lane by cross-multiplying and divides (div.full)
-once per lane. A token differs from the reference only if its two best race
-keys are that close. The CUDA tests compare exactly with fixed seeds.
+ranks residual race keys r/E by cross-multiplying (r1 * E2 > r2 * E1) rather
+than dividing each entry. A token differs from the reference only if its two
+best race keys are that close. The CUDA tests compare exactly with fixed seeds.
 sample_draft uses the equivalent Gumbel form argmax_v logits_v / T - log(E_v)
 (no softmax needed).
 
@@ -375,8 +375,8 @@ def _sample_draft_with_probs_fake(logits, temperature, seeds, positions, probs):
 
 # --- Triton kernels ---------------------------------------------------------------------------
 
-# Tuned on the H200 (benchmarks/RESULTS.md): 4 warps over 512-entry blocks, four pipeline stages, chunks of at
-# most 16 blocks, and at least one program per SM when the batch is small.
+# Chosen by a sweep on the H200 (benchmarks/RESULTS.md): 4 warps over 512-entry blocks, four pipeline stages,
+# chunks of at most 16 blocks, and at least one program per SM when the batch is small.
 _BLOCK_V = 512
 _NUM_WARPS = 4
 _NUM_STAGES = 4
@@ -478,7 +478,8 @@ if HAS_TRITON:
         else:
             need_race = j <= k
         # Each lane keeps its best entry as (residual, exponential), key = residual / exponential, and compares
-        # by cross-multiplying (both exponentials are > 0): no division per entry.
+        # by cross-multiplying, so no entry needs a division. E is > 0 but may be +inf: then 0 * inf = NaN
+        # compares false, which keeps the lower index on a tie of zero keys, as the reference does.
         best_residual = tl.full([BLOCK_V], -1.0, tl.float32)
         best_exp = tl.full([BLOCK_V], 1.0, tl.float32)
         best_idx = tl.full([BLOCK_V], 0, tl.int32) + vocab
@@ -500,8 +501,9 @@ if HAS_TRITON:
                 best_residual = tl.where(better, residual, best_residual)
                 best_exp = tl.where(better, exponential, best_exp)
                 best_idx = tl.where(better, v, best_idx)
-        # Packed so that int64 max = larger key, then lower index (keys are >= 0 or the -1 sentinel): one
-        # reduction over the lanes, and the same order for the atomic max across chunks.
+        # Packed so that int64 max = larger key, then lower index: one reduction over the lanes, and the same
+        # order for the atomic max across chunks. A lane that raced no entry packs to -1 (key -1.0, index V), and
+        # the row's slot starts at 0, so a high word <= 0 means no positive key: the fallback below.
         best_key = best_residual / best_exp
         packed = tl.max((best_key.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (vocab - 1 - best_idx).to(tl.int64))
 
@@ -523,7 +525,7 @@ if HAS_TRITON:
             if need_race:
                 if (packed >> 32) <= 0:
                     # No positive residual key: draw from p_j itself, same exponentials.
-                    fb_key = tl.full([BLOCK_V], -1.0, tl.float32)
+                    fb_key = tl.full([BLOCK_V], float("-inf"), tl.float32)
                     fb_idx = tl.full([BLOCK_V], 0, tl.int32) + vocab
                     for v0 in range(0, vocab, BLOCK_V):
                         v = v0 + tl.arange(0, BLOCK_V)
@@ -535,7 +537,7 @@ if HAS_TRITON:
                         fb_idx = tl.where(better, v, fb_idx)
                     top = tl.max(fb_key)
                     token = tl.min(tl.where(fb_key == top, fb_idx, vocab)).to(tl.int64)
-                token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # rows of NaN or inf: unspecified, in range
+                token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # a p_j of NaNs races no entry: stay in [0, V)
             if HAS_BONUS:
                 bonus = tl.load(bonus_ptr + row * bonus_stride).to(tl.int64)
             else:

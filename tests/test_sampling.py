@@ -39,16 +39,23 @@ def run_cpp(args, counters=None, **_):
     return specdec_ops.rejection_sample(*args, counters=counters)
 
 
-def run_triton(args, counters=None, num_chunks=None):
+def run_triton(args, counters=None, num_chunks=None, block_v=None):
+    """The Triton kernel: through the op on CUDA, through the launcher under the interpreter or when a split is
+    forced (num_chunks, block_v)."""
+    forced = num_chunks is not None or block_v is not None
     if HAS_CUDA:
         cuda_args = [None if a is None else a.cuda() for a in args]
         cuda_counters = None if counters is None else counters.cuda()
-        out = specdec_ops.rejection_sample(*cuda_args, counters=cuda_counters).cpu()
+        if forced:
+            sampling._check_rejection_inputs(*cuda_args, cuda_counters)
+            out = sampling._launch_rejection(*cuda_args, cuda_counters, num_chunks=num_chunks, block_v=block_v)
+        else:
+            out = specdec_ops.rejection_sample(*cuda_args, counters=cuda_counters)
         if counters is not None:
             counters.copy_(cuda_counters.cpu())
-        return out
+        return out.cpu()
     sampling._check_rejection_inputs(*args, counters)
-    return sampling._launch_rejection(*args, counters, num_chunks=num_chunks)
+    return sampling._launch_rejection(*args, counters, num_chunks=num_chunks, block_v=block_v)
 
 
 KERNELS = [pytest.param(run_cpp, id="cpp")]
@@ -187,11 +194,13 @@ def test_out_of_range_draft_ids_are_rejected(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("num_chunks", [None, 3])
-def test_non_finite_probabilities_give_tokens_in_range(kernel, num_chunks):
-    """Rows of NaN, inf, negative or zero probabilities have unspecified tokens, but never ones outside [0, V)."""
-    vocab = 700
-    p, draft, q, seeds, offsets, _ = make_case(3, 7, 3, vocab, invalid_ids=False)
+@pytest.mark.parametrize("num_chunks,block_v", [(None, None), (1, None), (3, 64)])
+@pytest.mark.parametrize("has_q,has_bonus", [(True, False), (False, True)])
+def test_non_finite_probabilities_give_tokens_in_range(kernel, num_chunks, block_v, has_q, has_bonus):
+    """Rows of NaN, inf, negative or zero probabilities have unspecified tokens, but never ones outside [0, V);
+    the finite rows of the same batch, and every row's accept decisions, stay exactly as in the reference."""
+    vocab, num_bad = 700, 7
+    p, draft, q, seeds, offsets, bonus = make_case(3, num_bad + 3, 3, vocab, invalid_ids=False, has_bonus=has_bonus)
     nan, inf = float("nan"), float("inf")
     p[0] = nan
     q[1] = nan
@@ -200,11 +209,36 @@ def test_non_finite_probabilities_give_tokens_in_range(kernel, num_chunks):
     q[4] = inf
     p[5] = 0.0
     p[6, :, 1::2] = nan
-    for has_q in (True, False):
-        out = kernel((p, draft, q if has_q else None, seeds, offsets, None), num_chunks=num_chunks)
-        emitted = out[out != -1]
-        assert ((emitted >= 0) & (emitted < vocab)).all(), out
-        assert (out[:, 0] != -1).all()  # every row emits at least one token
+    args = (p, draft, q if has_q else None, seeds, offsets, bonus)
+    out = kernel(args, num_chunks=num_chunks, block_v=block_v)
+    expected = specdec_ops.rejection_sample_reference(*args)
+    assert torch.equal(out[num_bad:], expected[num_bad:])
+    assert torch.equal(out == -1, expected == -1)  # where each row stops is specified for every row
+    for row in out:
+        emitted = int((row != -1).sum())
+        assert emitted >= 1 and (row[emitted:] == -1).all(), row
+        assert ((row[:emitted] >= 0) & (row[:emitted] < vocab)).all(), row
+    assert all(int(buf.count_nonzero()) == 0 for buf in _launch._scratch.values())
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("num_chunks,block_v", [(None, None), (1, 16), (3, 16)])
+def test_an_infinite_exponential_never_wins(kernel, num_chunks, block_v):
+    """w rounding to 1 gives E = +inf and a key of 0: a later entry of the same lane with any positive residual beats
+    it, as in the reference. Seed 13565 at position 0 draws E = inf at index 656 of the residual race."""
+    vocab, seed, index = 700, 13565, 656
+    exponential = sampling.exponential_from_bits(
+        sampling.random_bits(torch.tensor(seed), torch.tensor(0), sampling.RESIDUAL, torch.tensor(index)))
+    assert exponential == float("inf")
+    p = torch.zeros(1, 2, vocab)
+    p[0, 0, index] = 0.9
+    p[0, 0, index + 16] = 1e-6  # the same lane as index for 16-wide blocks
+    p[0, 1] = 1.0 / vocab
+    draft = torch.tensor([[0]])  # p(0) = 0: rejected at position 0, so position 0's residual is raced
+    args = (p, draft, None, torch.tensor([seed]), torch.tensor([0]), None)
+    out = kernel(args, num_chunks=num_chunks, block_v=block_v)
+    assert out.tolist() == [[index + 16, -1]]
+    assert torch.equal(out, specdec_ops.rejection_sample_reference(*args))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
