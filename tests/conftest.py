@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before triton is imported, so this runs first.
 Kernel tests reach the Triton launchers directly (`_..._triton` functions)
 with CPU tensors there; on a GPU they reach them through the dispatcher.
 """
+import contextlib
 import os
 
 import torch
@@ -24,6 +25,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
 
 
-@pytest.fixture
-def cuda_device():
-    return torch.device("cuda")
+@contextlib.contextmanager
+def sync_forbidden():
+    """Any host sync inside the block raises (torch's sync debug mode); the mode is reset on exit."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -6,7 +6,7 @@ import specdec_ops
 from specdec_ops import draft_step
 from specdec_ops._triton import HAS_TRITON
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, sync_forbidden
 
 INT32_MAX = 2**31 - 1
 
@@ -214,11 +214,8 @@ def test_cuda_graph_capture_and_replay():
         fresh = make_step(31 + seed, 64, max_model_len=100, device="cuda")
         for static, new in zip((ids, positions, seq_lens), fresh):
             static.copy_(new)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with sync_forbidden():
             graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         expected = draft_step.advance_draft_step_reference(ids.cpu(), positions.cpu(), seq_lens.cpu(), max_model_len)
         assert_same(tuple(o.cpu() for o in out), expected)
 
@@ -246,8 +243,5 @@ def test_cuda_reduce_overhead_compile_has_no_cudagraph_skips():
 def test_cuda_no_sync():
     args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in make_step(50, 16)]
     torch.ops.specdec.advance_draft_step(*args)  # compile outside the check
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_forbidden():
         torch.ops.specdec.advance_draft_step(*args)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)

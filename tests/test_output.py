@@ -6,7 +6,7 @@ import specdec_ops
 from specdec_ops import output
 from specdec_ops._triton import HAS_TRITON
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, sync_forbidden
 from test_prefill import make_batch
 
 
@@ -257,11 +257,8 @@ def test_cuda_graph_capture_replay_and_no_sync():
         fresh = make_verified(10 + seed, 64, 4, pattern="random" if seed else "causal")
         for s, f in zip(static, fresh):
             s.copy_(f)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with sync_forbidden():
             graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         expected = specdec_ops.create_output_reference(*fresh, counters=expected_counters)
         assert torch.equal(out.cpu(), expected)
         assert torch.equal(counters.cpu(), expected_counters)

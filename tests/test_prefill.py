@@ -8,7 +8,7 @@ import specdec_ops
 from specdec_ops import prefill
 from specdec_ops._triton import HAS_TRITON
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, sync_forbidden
 
 
 def make_batch(seed, num_reqs, *, max_query_len=9, long_query=False, max_model_len=4096, num_slots=None,
@@ -365,11 +365,8 @@ def test_cuda_graph_capture_and_replay():
         for k, v in fresh.items():
             if isinstance(v, torch.Tensor):
                 static[k].copy_(v)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with sync_forbidden():
             graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         expected = specdec_ops.prepare_prefill_reference(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
                                                            for k, v in static.items()}, max_num_reqs=max_num_reqs)
         assert_same(prefill.PrefillInputs(*(o.cpu() for o in functional)), expected)
@@ -381,11 +378,8 @@ def test_cuda_graph_capture_and_replay():
 def test_cuda_no_sync():
     batch = to_cuda(make_batch(73, 8))
     torch.ops.specdec.prepare_prefill(**batch)  # compile outside the check
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_forbidden():
         torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=12)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 @pytest.mark.cuda

@@ -9,7 +9,7 @@ import specdec_ops
 from specdec_ops import _launch, sampling
 from specdec_ops._triton import HAS_TRITON
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, sync_forbidden
 
 
 def normalized(t):
@@ -678,11 +678,8 @@ def test_cuda_graph_capture_replay_with_new_seeds_and_offsets():
         seeds.copy_(torch.arange(batch, device="cuda") * 31 + step)
         offsets.add_(k + 1)
         counters.zero_()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with sync_forbidden():
             graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         cpu_args = [None if a is None else a.cpu() for a in (p, draft, q, seeds, offsets, None)]
         expected_counters = torch.zeros(3, dtype=torch.int64)
         assert torch.equal(out.cpu(), specdec_ops.rejection_sample_reference(*cpu_args, counters=expected_counters))
@@ -717,11 +714,8 @@ def test_cuda_reduce_overhead_has_no_cudagraph_skips():
         torch.testing.assert_close(q, eager_q)
     assert dynamo_counters["inductor"]["cudagraph_skips"] == 0
     assert int(stats[2]) == 4 * batch * k
-    torch.cuda.set_sync_debug_mode("error")  # the eager launchers never sync either
-    try:
+    with sync_forbidden():  # the eager launchers never sync either
         draft_then_verify_cuda(draft_logits, target_probs, temperature, seeds, positions, stats)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 def draft_then_verify_cuda(draft_logits, target_probs, temperature, seeds, positions, counters):

@@ -8,7 +8,7 @@ import specdec_ops
 from specdec_ops import _launch, verify
 from specdec_ops._triton import HAS_TRITON
 
-from conftest import HAS_CUDA
+from conftest import HAS_CUDA, sync_forbidden
 
 # --- inputs ------------------------------------------------------------------------------
 
@@ -447,10 +447,11 @@ def _compile_inputs(device):
     return logits.to(device), probs.to(device), draft.to(device)
 
 
-def test_compile_fullgraph_matches_eager():
-    logits, probs, draft = _compile_inputs("cpu")
-    eager_counters = torch.zeros(3, dtype=torch.int64)
-    compiled_counters = torch.zeros(3, dtype=torch.int64)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_compile_fullgraph_matches_eager(device):
+    logits, probs, draft = _compile_inputs(device)
+    eager_counters = torch.zeros(3, dtype=torch.int64, device=device)
+    compiled_counters = torch.zeros(3, dtype=torch.int64, device=device)
     expected = _verify_both(logits, probs, draft, eager_counters)
     actual = torch.compile(_verify_both, fullgraph=True)(logits, probs, draft, compiled_counters)
     for a, e in zip(actual, expected):
@@ -521,11 +522,8 @@ def test_cuda_graph_capture_and_replay(batch, vocab):
         for static, new in ((logits, new_logits), (greedy_draft, new_greedy_draft), (probs, new_probs),
                             (typical_draft, new_typical_draft)):
             static.copy_(new)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with sync_forbidden():
             graph.replay()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         expected_greedy = specdec_ops.greedy_verify_reference(new_logits, new_greedy_draft, expected_counters)
         expected_typical = specdec_ops.typical_acceptance_reference(new_probs, new_typical_draft,
                                                                     counters=expected_counters)
@@ -554,24 +552,9 @@ def test_cuda_compile_reduce_overhead_has_no_cudagraph_skips():
 
 
 @pytest.mark.cuda
-def test_cuda_compile_fullgraph_matches_eager():
-    logits, probs, draft = _compile_inputs("cuda")
-    eager_counters = torch.zeros(3, dtype=torch.int64, device="cuda")
-    compiled_counters = torch.zeros(3, dtype=torch.int64, device="cuda")
-    expected = _verify_both(logits, probs, draft, eager_counters)
-    actual = torch.compile(_verify_both, fullgraph=True)(logits, probs, draft, compiled_counters)
-    for a, e in zip(actual, expected):
-        assert torch.equal(a, e)
-    assert torch.equal(compiled_counters, eager_counters)
-
-
-@pytest.mark.cuda
 def test_cuda_no_sync():
     logits, probs, draft = _compile_inputs("cuda")
     counters = torch.zeros(3, dtype=torch.int64, device="cuda")
     _verify_both(logits, probs, draft, counters)  # compile the kernels outside the check
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_forbidden():
         _verify_both(logits, probs, draft, counters)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
