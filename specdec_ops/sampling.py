@@ -455,9 +455,10 @@ if HAS_TRITON:
         draft = tl.load(draft_ptr + row * draft_stride_b + i, mask=in_k, other=-1).to(tl.int64)
         valid = in_k & (draft >= 0) & (draft < vocab)
         safe = tl.where(valid, draft, 0)
-        p_x = tl.load(p_row + i * p_stride_i + safe, mask=valid, other=0.0).to(tl.float32)
+        i64 = i.to(tl.int64)  # position offsets in int64: a large stride times k must not wrap
+        p_x = tl.load(p_row + i64 * p_stride_i + safe, mask=valid, other=0.0).to(tl.float32)
         if HAS_Q:
-            q_x = tl.load(q_ptr + row * q_stride_b + i * q_stride_i + safe, mask=valid, other=0.0).to(tl.float32)
+            q_x = tl.load(q_ptr + row * q_stride_b + i64 * q_stride_i + safe, mask=valid, other=0.0).to(tl.float32)
         else:
             q_x = tl.full([BLOCK_K], 1.0, tl.float32)
         accept_bits = _draw_bits_tl(_row_state_tl(seed, offset + i, i * 0 + 2), i * 0)  # purpose ACCEPT, index 0
@@ -471,16 +472,17 @@ if HAS_TRITON:
         j = first_rejected
         race_state = tl.max(tl.where(i == j, race_states, 0))
         draft_j = tl.max(tl.where(i == j, draft, -1))  # -1 at the bonus position: matches no token
-        p_race = p_row + j * p_stride_i
-        q_race = q_ptr + row * q_stride_b + j * q_stride_i
+        p_race = p_row + j.to(tl.int64) * p_stride_i
+        q_race = q_ptr + row * q_stride_b + j.to(tl.int64) * q_stride_i
         if HAS_BONUS:
             need_race = j < k
         else:
             need_race = j <= k
         # Each lane keeps its best entry as (residual, exponential), key = residual / exponential, and compares
-        # by cross-multiplying, so no entry needs a division. E is > 0 but may be +inf: then 0 * inf = NaN
-        # compares false, which keeps the lower index on a tie of zero keys, as the reference does.
-        best_residual = tl.full([BLOCK_V], -1.0, tl.float32)
+        # by cross-multiplying, so no entry needs a division. A lane starts at key 0 and only a positive key
+        # replaces it, so masked entries (residual 0) need no mask here. E is > 0 but may be +inf: then
+        # 0 * inf = NaN compares false, so such an entry (key 0) never wins either.
+        best_residual = tl.zeros([BLOCK_V], tl.float32)
         best_exp = tl.full([BLOCK_V], 1.0, tl.float32)
         best_idx = tl.full([BLOCK_V], 0, tl.int32) + vocab
         if need_race:
@@ -497,25 +499,27 @@ if HAS_TRITON:
                     q = tl.where(v == draft_j, 1.0, 0.0)
                 residual = tl.maximum(p - q, 0.0)
                 exponential = _exponential_tl(_draw_bits_tl(race_state, v), FAST_LOG)
-                better = in_chunk & (residual * best_exp > best_residual * exponential)
+                better = residual * best_exp > best_residual * exponential
                 best_residual = tl.where(better, residual, best_residual)
                 best_exp = tl.where(better, exponential, best_exp)
                 best_idx = tl.where(better, v, best_idx)
         # Packed so that int64 max = larger key, then lower index: one reduction over the lanes, and the same
-        # order for the atomic max across chunks. A lane that raced no entry packs to -1 (key -1.0, index V), and
-        # the row's slot starts at 0, so a high word <= 0 means no positive key: the fallback below.
+        # order for the atomic max across chunks. A lane without a positive key packs to -1 (key 0, index V),
+        # and the row's slot starts at 0, so a high word <= 0 means no positive key: the fallback below.
         best_key = best_residual / best_exp
         packed = tl.max((best_key.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (vocab - 1 - best_idx).to(tl.int64))
 
         if SPLIT:
             # The ticket's release orders this program's max before it; the last
             # program's acquire sees every max. It reads the row's final maximum
-            # and leaves both slots at 0 for the next call.
+            # and leaves both slots at 0 for the next call. Every other atomic is
+            # relaxed: an acq_rel one would first wait for all earlier memory
+            # operations of the program (a fence), a round trip each.
             tl.atomic_max(workspace_ptr + row * 2, packed, sem="relaxed")
             ticket = tl.atomic_add(workspace_ptr + row * 2 + 1, 1, sem="acq_rel")
             is_last = ticket == tl.num_programs(1) - 1
             if is_last:
-                packed = tl.atomic_xchg(workspace_ptr + row * 2, 0)
+                packed = tl.atomic_xchg(workspace_ptr + row * 2, 0, sem="relaxed")
                 tl.store(workspace_ptr + row * 2 + 1, 0)
         else:
             is_last = True
@@ -547,9 +551,10 @@ if HAS_TRITON:
             out = tl.where((i == k) & (j == k), bonus, out)
             tl.store(out_ptr + row * (k + 1) + i, out.to(out_ptr.dtype.element_ty), mask=i <= k)
             if COUNT:
-                tl.atomic_add(counters_ptr, tl.sum(accepted.to(tl.int64), axis=0))
-                tl.atomic_add(counters_ptr + 1, tl.sum(((i <= k) & (out != -1)).to(tl.int64), axis=0))
-                tl.atomic_add(counters_ptr + 2, tl.zeros([], tl.int64) + k)
+                which = tl.arange(0, 4)  # one vector atomic for the three counters
+                counts = tl.where(which == 0, tl.sum(accepted.to(tl.int64), axis=0),
+                                  tl.where(which == 1, tl.sum(((i <= k) & (out != -1)).to(tl.int64), axis=0), k))
+                tl.atomic_add(counters_ptr + which, counts, mask=which < 3, sem="relaxed")
 
     @triton.jit
     def _sample_draft_kernel(

@@ -160,6 +160,28 @@ def test_rejection_strided_and_expanded_inputs(kernel):
     check_against_reference(kernel, args)
 
 
+@pytest.mark.cuda
+def test_cuda_position_offsets_past_int32():
+    """A dim-1 stride of 2**30 elements: position i's offset i * stride passes 2**31 and must not wrap."""
+    k, vocab, stride = 3, 16, 2**30
+    p, draft, q, seeds, offsets, _ = make_case(11, 1, k, vocab, invalid_ids=False, prob_dtype=torch.float16)
+
+    def spread(t):  # same values, rows 2**30 elements apart (about 2 GiB of float16 per row)
+        rows = t.shape[1]
+        storage = torch.zeros((rows - 1) * stride + vocab, dtype=t.dtype, device="cuda")
+        view = storage.as_strided(t.shape, (storage.numel(), stride, 1))
+        view.copy_(t)
+        return view
+
+    cuda = [spread(p), draft.cuda(), spread(q), seeds.cuda()]
+    assert cuda[0].stride(1) * k >= 2**31 and cuda[2].stride(1) * (k - 1) >= 2**31
+    for shift in range(8):  # fresh draws: accept tests at every position, races at several
+        expected = specdec_ops.rejection_sample_reference(p, draft, q, seeds, offsets + shift)
+        assert torch.equal(specdec_ops.rejection_sample(*cuda, (offsets + shift).cuda()).cpu(), expected), shift
+    del cuda
+    torch.cuda.empty_cache()
+
+
 def test_counted_adds_what_create_output_counted_adds():
     """counters == create_output.counted given the accept decisions at ALL k positions."""
     for has_q in (True, False):
