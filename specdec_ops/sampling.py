@@ -471,7 +471,9 @@ if HAS_TRITON:
         race_states = _row_state_tl(seed, offset + i, tl.where(i < k, 3, 4))  # RESIDUAL or BONUS
         j = first_rejected
         race_state = tl.max(tl.where(i == j, race_states, 0))
-        draft_j = tl.max(tl.where(i == j, draft, -1))  # -1 at the bonus position: matches no token
+        # The one-hot q's token as int32 (so the race compares 32-bit indices); -1 at the bonus position and
+        # for an out-of-range id, whose q the contract makes 0: it matches no token.
+        draft_j = tl.max(tl.where((i == j) & valid, draft, -1)).to(tl.int32)
         p_race = p_row + j.to(tl.int64) * p_stride_i
         q_race = q_ptr + row * q_stride_b + j.to(tl.int64) * q_stride_i
         if HAS_BONUS:
