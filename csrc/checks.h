@@ -58,17 +58,17 @@ inline std::string dtype_name(at::ScalarType t) {
 
 inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t ndim) {
   SPECDEC_CHECK(t.dim() == ndim, op, ": argument '", name, "' must be ", ndim, "-D, got shape ",
-                    t.sizes());
+                t.sizes());
 }
 
 inline void check_int_dtype(const char* op, const char* name, const at::Tensor& t) {
   SPECDEC_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, ": argument '",
-                    name, "' must have dtype int32 or int64, got ", dtype_name(t.scalar_type()));
+                name, "' must have dtype int32 or int64, got ", dtype_name(t.scalar_type()));
 }
 
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype) {
   SPECDEC_CHECK(t.scalar_type() == dtype, op, ": argument '", name, "' must have dtype ",
-                    dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
+                dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
 }
 
 inline void check_device(const char* op, const char* name, const at::Tensor& t, const c10::Device& device) {
@@ -82,14 +82,14 @@ inline void check_cpu(const char* op, const char* name, const at::Tensor& t) {
 
 inline void check_unit_stride(const char* op, const char* name, const at::Tensor& t) {
   SPECDEC_CHECK(t.dim() == 0 || t.numel() <= 1 || t.stride(-1) == 1, op, ": argument '", name,
-                    "' must have a unit stride in its last dimension");
+                "' must have a unit stride in its last dimension");
 }
 
 inline void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim,
                        int64_t expected, const char* meaning) {
   SPECDEC_CHECK(t.size(dim) == expected, op, ": argument '", name, "' has size ", t.size(dim),
-                    " in dimension ", dim, ", expected ", expected, " (", meaning, "); shape ",
-                    t.sizes());
+                " in dimension ", dim, ", expected ", expected, " (", meaning, "); shape ",
+                t.sizes());
 }
 
 // The int64 [3] (accepted, emitted, proposed) statistics of the .counted overloads.

@@ -34,10 +34,10 @@ void check_inputs(const at::Tensor& accepted_in, const at::Tensor& substitute_in
   check_rank(kOp, "substitute_token_ids", substitute_in, 2);
   check_rank(kOp, "draft_token_ids", draft_in, 2);
   SPECDEC_CHECK(bonus_in.dim() == 1 || (bonus_in.dim() == 2 && bonus_in.size(1) == 1), kOp,
-                    ": argument 'bonus_token_ids' must have shape [B, 1] or [B], got shape ", bonus_in.sizes());
+                ": argument 'bonus_token_ids' must have shape [B, 1] or [B], got shape ", bonus_in.sizes());
   SPECDEC_CHECK(is_index_dtype(accepted_in.scalar_type()), kOp,
-                    ": argument 'accepted' must have dtype bool or an integer dtype, got ",
-                    dtype_name(accepted_in.scalar_type()));
+                ": argument 'accepted' must have dtype bool or an integer dtype, got ",
+                dtype_name(accepted_in.scalar_type()));
   check_int_dtype(kOp, "substitute_token_ids", substitute_in);
   check_int_dtype(kOp, "draft_token_ids", draft_in);
   check_int_dtype(kOp, "bonus_token_ids", bonus_in);
@@ -53,7 +53,7 @@ void check_inputs(const at::Tensor& accepted_in, const at::Tensor& substitute_in
   const int64_t batch = draft_in.size(0);
   const int64_t k = draft_in.size(1);
   SPECDEC_CHECK(k >= 1, kOp, ": argument 'draft_token_ids' must have k >= 1 columns, got shape ",
-                    draft_in.sizes());
+                draft_in.sizes());
   check_size(kOp, "accepted", accepted_in, 0, batch, "B, rows of draft_token_ids");
   check_size(kOp, "accepted", accepted_in, 1, k, "k, columns of draft_token_ids");
   check_size(kOp, "substitute_token_ids", substitute_in, 0, batch, "B, rows of draft_token_ids");

@@ -38,7 +38,7 @@ void check_inputs(const at::Tensor& input_ids, const at::Tensor& positions,
   check_size(kOp, "idx_mapping", idx_mapping, 0, num_reqs, "num_reqs, len(query_start_loc) - 1");
   check_size(kOp, "num_rejected", num_rejected, 0, num_reqs, "num_reqs, len(query_start_loc) - 1");
   SPECDEC_CHECK(num_reqs == 0 || last_sampled.size(0) >= 1, kOp,
-                    ": argument 'last_sampled' must hold one token per request slot, got 0 entries");
+                ": argument 'last_sampled' must hold one token per request slot, got 0 entries");
   SPECDEC_CHECK(max_model_len >= 1, kOp, ": argument 'max_model_len' must be >= 1, got ", max_model_len);
 }
 
@@ -146,11 +146,11 @@ void prepare_prefill_into(const at::Tensor& input_ids, const at::Tensor& positio
   check_dtype(op, "expanded_seq_lens", expanded_seq_lens, at::kInt);
   const int64_t max_num_reqs = last_token_indices.size(0);
   SPECDEC_CHECK(expanded_input_ids.size(0) >= total, op, ": argument 'expanded_input_ids' has ",
-                    expanded_input_ids.size(0), " entries, expected at least num_tokens + num_reqs = ", total);
+                expanded_input_ids.size(0), " entries, expected at least num_tokens + num_reqs = ", total);
   SPECDEC_CHECK(expanded_positions.size(0) >= total, op, ": argument 'expanded_positions' has ",
-                    expanded_positions.size(0), " entries, expected at least num_tokens + num_reqs = ", total);
+                expanded_positions.size(0), " entries, expected at least num_tokens + num_reqs = ", total);
   SPECDEC_CHECK(max_num_reqs >= num_reqs, op, ": argument 'last_token_indices' has ", max_num_reqs,
-                    " entries (max_num_reqs), expected at least num_reqs = ", num_reqs);
+                " entries (max_num_reqs), expected at least num_reqs = ", num_reqs);
   check_size(op, "expanded_seq_lens", expanded_seq_lens, 0, max_num_reqs,
              "max_num_reqs, the length of last_token_indices");
   check_size(op, "expanded_query_start_loc", expanded_query_start_loc, 0, max_num_reqs + 1,
@@ -169,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_p
   const int64_t num_reqs = query_start_loc.size(0) - 1;
   const int64_t padded_reqs = max_num_reqs.value_or(num_reqs);
   SPECDEC_CHECK(padded_reqs >= num_reqs, kOp, ": argument 'max_num_reqs' must be >= num_reqs = ", num_reqs,
-                    ", got ", padded_reqs);
+                ", got ", padded_reqs);
   const int64_t total = input_ids.size(0) + num_reqs;
   auto opts = input_ids.options();
   at::Tensor ids = at::empty({total}, opts);

@@ -78,7 +78,7 @@ bool is_prob_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf 
 
 void check_prob_dtype(const char* op, const char* name, const at::Tensor& t) {
   SPECDEC_CHECK(is_prob_dtype(t.scalar_type()), op, ": argument '", name,
-                    "' must have dtype float32 or float16 or bfloat16, got ", dtype_name(t.scalar_type()));
+                "' must have dtype float32 or float16 or bfloat16, got ", dtype_name(t.scalar_type()));
 }
 
 void check_1d_int64(const char* op, const char* name, const at::Tensor& t, int64_t rows, const char* meaning) {
@@ -119,9 +119,9 @@ at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& dra
   const int64_t k = target.size(1) - 1;
   const int64_t vocab = target.size(2);
   SPECDEC_CHECK(k >= 1, op, ": argument 'target_probs' must have k+1 >= 2 positions in dimension 1, got shape ",
-                    target.sizes());
+                target.sizes());
   SPECDEC_CHECK(vocab >= 1, op, ": argument 'target_probs' must have a vocabulary of V >= 1, got shape ",
-                    target.sizes());
+                target.sizes());
   check_rank(op, "draft_token_ids", draft, 2);
   check_int_dtype(op, "draft_token_ids", draft);
   check_cpu(op, "draft_token_ids", draft);
@@ -143,7 +143,7 @@ at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& dra
   if (bonus.has_value()) {
     const at::Tensor& t = *bonus;
     SPECDEC_CHECK(t.dim() == 1 || (t.dim() == 2 && t.size(1) == 1), op,
-                      ": argument 'bonus_token_ids' must have shape [B, 1] or [B], got shape ", t.sizes());
+                  ": argument 'bonus_token_ids' must have shape [B, 1] or [B], got shape ", t.sizes());
     check_int_dtype(op, "bonus_token_ids", t);
     check_cpu(op, "bonus_token_ids", t);
     check_size(op, "bonus_token_ids", t, 0, batch, "B, rows of target_probs");
@@ -246,14 +246,14 @@ at::Tensor sample_draft_impl(const at::Tensor& logits, const at::Tensor& tempera
   check_rank(op, "logits", logits, 2);
   const at::ScalarType dtype = logits.scalar_type();
   SPECDEC_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble, op,
-                    ": argument 'logits' must have dtype float16 or bfloat16 or float32 or float64, got ",
-                    dtype_name(dtype));
+                ": argument 'logits' must have dtype float16 or bfloat16 or float32 or float64, got ",
+                dtype_name(dtype));
   check_cpu(op, "logits", logits);
   check_unit_stride(op, "logits", logits);
   const int64_t rows = logits.size(0);
   const int64_t vocab = logits.size(1);
   SPECDEC_CHECK(vocab >= 1, op, ": argument 'logits' must have a vocabulary of V >= 1, got shape ",
-                    logits.sizes());
+                logits.sizes());
   check_rank(op, "temperature", temperature, 1);
   check_dtype(op, "temperature", temperature, at::kFloat);
   check_cpu(op, "temperature", temperature);

@@ -31,17 +31,17 @@ void check_inputs(const char* op, const char* target_name, const at::Tensor& tar
   check_rank(op, target_name, target, 3);
   const auto dtype = target.scalar_type();
   SPECDEC_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat, op, ": argument '",
-                    target_name, "' must have dtype float16 or bfloat16 or float32, got ", dtype_name(dtype));
+                target_name, "' must have dtype float16 or bfloat16 or float32, got ", dtype_name(dtype));
   check_cpu(op, target_name, target);
   check_unit_stride(op, target_name, target);
   const int64_t batch = draft.size(0);
   const int64_t k = draft.size(1);
   SPECDEC_CHECK(k >= 1, op, ": argument 'draft_token_ids' must have k >= 1 columns, got shape ",
-                    draft.sizes());
+                draft.sizes());
   check_size(op, target_name, target, 0, batch, "B, rows of draft_token_ids");
   check_size(op, target_name, target, 1, k + 1, "k + 1, one more than the columns of draft_token_ids");
   SPECDEC_CHECK(target.size(2) >= 1, op, ": argument '", target_name,
-                    "' must have a vocabulary of V >= 1 entries, got shape ", target.sizes());
+                "' must have a vocabulary of V >= 1 entries, got shape ", target.sizes());
   if (counters != nullptr) check_counters(op, *counters);
 }
 

@@ -129,6 +129,15 @@ _GEOMETRY = _C._launch_geometry()["create_output"]
 
 if HAS_TRITON:
 
+    @triton.jit
+    def add_counters_tl(counters_ptr, num_accepted, num_emitted, num_proposed):
+        """Adds the three .counted statistics (every kernel with a .counted overload uses this): one vector
+        atomic, relaxed because plain sums need no ordering with other memory (an acq_rel atomic would first
+        wait for all of the program's earlier memory operations)."""
+        which = tl.arange(0, 4)
+        counts = tl.where(which == 0, num_accepted, tl.where(which == 1, num_emitted, num_proposed)).to(tl.int64)
+        tl.atomic_add(counters_ptr + which, counts, mask=which < 3, sem="relaxed")
+
     @triton.jit(
         do_not_specialize=["batch", "k", "accepted_row_stride", "substitute_row_stride", "draft_row_stride",
                            "bonus_row_stride"],
@@ -174,10 +183,7 @@ if HAS_TRITON:
             num_accepted = tl.sum(tl.sum((accepted != 0).to(tl.int64), axis=1), axis=0)
             num_emitted = tl.sum(tl.sum((in_out & (out != -1)).to(tl.int64), axis=1), axis=0)
             num_rows = tl.sum(row_ok.to(tl.int64), axis=0)
-            # One vector atomic for the three sums (relaxed: no ordering with other memory is needed).
-            which = tl.arange(0, 4)
-            counts = tl.where(which == 0, num_accepted, tl.where(which == 1, num_emitted, num_rows * k))
-            tl.atomic_add(counters_ptr + which, counts, mask=which < 3, sem="relaxed")
+            add_counters_tl(counters_ptr, num_accepted, num_emitted, num_rows * k)
 
     _launch_kernel = CachedLaunch(_create_output_kernel)
     expose_to_cpp("create_output", _create_output_kernel)

@@ -388,6 +388,8 @@ _DRAFT_NUM_WARPS = 16
 
 if HAS_TRITON:
 
+    from .output import add_counters_tl
+
     @triton.jit
     def _mix_word_tl(h, word):
         word = word * 0xCC9E2D51
@@ -553,10 +555,8 @@ if HAS_TRITON:
             out = tl.where((i == k) & (j == k), bonus, out)
             tl.store(out_ptr + row * (k + 1) + i, out.to(out_ptr.dtype.element_ty), mask=i <= k)
             if COUNT:
-                which = tl.arange(0, 4)  # one vector atomic for the three counters
-                counts = tl.where(which == 0, tl.sum(accepted.to(tl.int64), axis=0),
-                                  tl.where(which == 1, tl.sum(((i <= k) & (out != -1)).to(tl.int64), axis=0), k))
-                tl.atomic_add(counters_ptr + which, counts, mask=which < 3, sem="relaxed")
+                add_counters_tl(counters_ptr, tl.sum(accepted.to(tl.int64), axis=0),
+                                tl.sum(((i <= k) & (out != -1)).to(tl.int64), axis=0), k)
 
     @triton.jit
     def _sample_draft_kernel(

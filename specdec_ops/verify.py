@@ -233,6 +233,8 @@ _INTERPRETER_SMS = 4  # pretend SM count without CUDA (TRITON_INTERPRET), so sma
 
 if HAS_TRITON:
 
+    from .output import add_counters_tl
+
     @triton.jit
     def _verify_kernel(
         target_ptr, draft_ptr, out_ptr, counters_ptr,
@@ -330,9 +332,8 @@ if HAS_TRITON:
                      mask=rows <= k)
             if COUNT:
                 # Every emitted entry is a valid id (>= 0): first_rejected + 1 of them.
-                tl.atomic_add(counters_ptr, tl.sum(accepted.to(tl.int64), axis=0), sem="relaxed")
-                tl.atomic_add(counters_ptr + 1, (first_rejected + 1).to(tl.int64), sem="relaxed")
-                tl.atomic_add(counters_ptr + 2, tl.sum(is_draft.to(tl.int64), axis=0), sem="relaxed")
+                add_counters_tl(counters_ptr, tl.sum(accepted.to(tl.int64), axis=0), first_rejected + 1,
+                                tl.sum(is_draft.to(tl.int64), axis=0))
 
 
 def _sm_count(device: torch.device) -> int:
