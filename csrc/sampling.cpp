@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -88,20 +89,55 @@ void check_1d_int64(const char* op, const char* name, const at::Tensor& t, int64
   check_size(op, name, t, 0, rows, meaning);
 }
 
-// Exponential race over one row: argmax_v weight(v) / E_v, lowest index on ties.
-// Returns (index, best key); the key is -1 when the row is empty.
+// Segmented race (contract in specdec_ops/sampling.py). tree[0..3] holds a segment's weights on entry;
+// build_tree appends the pair sums (tree[4..5]) and the total (tree[6]).
+constexpr int64_t kSegment = 4;
+constexpr int kTreeSize = 7, kPairs = 4, kTotal = 6;
+
+inline void build_tree(float* tree) {
+  tree[kPairs] = tree[0] + tree[1];
+  tree[kPairs + 1] = tree[2] + tree[3];
+  tree[kTotal] = tree[kPairs] + tree[kPairs + 1];
+}
+
+// The leaf whose share of the total holds u * total, walking down from the root.
+inline int64_t descend(const float* tree, float u) {
+  float threshold = u * tree[kTotal];
+  int64_t node = 0;
+  for (int offset : {kPairs, 0}) {
+    const float left = tree[offset + 2 * node], right = tree[offset + 2 * node + 1];
+    const bool go_right = left == 0.0f || (right > 0.0f && threshold >= left);
+    if (go_right) threshold -= left;
+    node = 2 * node + go_right;
+  }
+  return node;
+}
+
+// The token of the race over weight(0..vocab-1) (>= 0), or -1 when no segment has a positive key.
 template <typename Weight>
-std::pair<int64_t, float> race(int64_t vocab, uint32_t state, Weight weight) {
-  int64_t best = 0;
-  float best_key = -1.0f;
-  for (int64_t v = 0; v < vocab; ++v) {
-    const float key = weight(v) / exponential(draw_bits(state, static_cast<uint32_t>(v)));
+int64_t segment_race(int64_t vocab, uint32_t state, Weight weight) {
+  float tree[kTreeSize];
+  auto fill = [&](int64_t segment) {
+    for (int64_t t = 0; t < kSegment; ++t) {
+      const int64_t v = segment * kSegment + t;
+      tree[t] = v < vocab ? weight(v) : 0.0f;
+    }
+    build_tree(tree);
+  };
+  int64_t best = -1;
+  float best_key = 0.0f;
+  for (int64_t segment = 0; segment * kSegment < vocab; ++segment) {
+    fill(segment);
+    if (!(tree[kTotal] > 0.0f)) continue;  // its key would be 0 (or NaN): it cannot win
+    const float key = tree[kTotal] / exponential(draw_bits(state, static_cast<uint32_t>(2 * segment)));
     if (key > best_key) {
       best_key = key;
-      best = v;
+      best = segment;
     }
   }
-  return {best, best_key};
+  if (best < 0) return -1;
+  fill(best);
+  return best * kSegment + descend(tree, uniform(draw_bits(state, static_cast<uint32_t>(2 * best + 1))));
 }
 
 // --- rejection_sample --------------------------------------------------------------------------
@@ -195,11 +231,11 @@ at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& dra
           if (j < k) q = has_q ? load_float(q_base, q_dtype, q_row + v) : (v == x_j ? 1.0f : 0.0f);
           return std::max(load_float(p_base, p_dtype, p_row + v) - q, 0.0f);
         };
-        auto [winner, key] = race(vocab, state, residual);
-        if (!(key > 0.0f)) {  // no positive residual key: draw from p_j itself, same exponentials
-          winner = race(vocab, state, [&](int64_t v) { return load_float(p_base, p_dtype, p_row + v); }).first;
+        token = segment_race(vocab, state, residual);
+        if (token < 0) {  // no positive residual key: draw from p_j itself, same random numbers
+          token = segment_race(vocab, state, [&](int64_t v) { return load_float(p_base, p_dtype, p_row + v); });
         }
-        token = winner;
+        token = std::min(std::max<int64_t>(token, 0), vocab - 1);  // non-finite rows: stay in [0, V)
       }
       for (int64_t c = 0; c < k; ++c) {
         int64_t v = -1;

@@ -11,9 +11,11 @@ deterministic, q_i is one-hot at x_i):
 - position i is *accepted* iff ``0 <= x_i < V`` and ``u_i * q_i(x_i) < p_i(x_i)``
   with u_i uniform in [0, 1) (accept with probability min(1, p/q); no division);
 - at the first rejected position j a token is drawn from
-  ``normalize(max(p_j - q_j, 0))`` (the residual); if no entry of the
-  residual gets a positive race key (it is zero everywhere, up to float
-  underflow) the token is drawn from p_j instead;
+  ``normalize(max(p_j - q_j, 0))`` (the residual) by a segmented race (below);
+  if no segment of the residual gets a positive race key (it is zero
+  everywhere, up to float underflow) the token is drawn from p_j instead, by
+  the same race with the same random numbers (and is 0 if p_j has no positive
+  key either);
 - when all k are accepted, the bonus token is ``bonus_token_ids[b]`` if given,
   else a draw from p_k.
 
@@ -59,50 +61,69 @@ The 32 random bits of a draw are MurmurHash3_x86_32 (hash seed 0) of the six
 
 - purpose DRAFT=1 (sample_draft; position = ``positions[r]``, index = vocab id),
 - ACCEPT=2 (u_i; position = ``offsets[b] + i``, index 0),
-- RESIDUAL=3 (race at the rejected position j; position = ``offsets[b] + j``),
-- BONUS=4 (race for the bonus; position = ``offsets[b] + k``).
+- RESIDUAL=3 (race at the rejected position j; position = ``offsets[b] + j``,
+  index 2s or 2s + 1 for segment s, below),
+- BONUS=4 (race for the bonus; position = ``offsets[b] + k``, indices as RESIDUAL).
 
 Purpose is hashed in, so the draft and verification streams are independent
 for equal seed and position. Pass as offset the position of the first draft
 token and advance it by at least the number of emitted tokens per round: the
 positions whose draws decided a round's output are then never reused.
 
-A uniform is ``(bits >> 8) * 2**-24`` (exact in float32, in [0, 1)).
-Categorical draws are exponential races: token = argmax_v r_v / E_v (lowest
-index on ties), E_v = -log(1 - w_v) with ``w = float32(bits) * 2**-32 + 2**-33``.
-For w < 2**-7 E is the series w(1 + w(1/2 + w(1/3 + w/4))) instead, so that
-small E (the likely winners) keep 32-bit resolution; w = 1 gives E = inf (never
-wins). The race needs no normalization and does not depend on the order in
-which V is visited, so chunked kernels agree with the reference up to
-last-ulp differences of log between libraries. The CUDA kernels take log from
-the hardware lg2.approx (absolute error ~2**-22 in log2, so E is off by up to
-~1e-5 relative just above w = 2**-7, far less elsewhere); rejection_sample
-ranks residual race keys r/E by cross-multiplying (r1 * E2 > r2 * E1) rather
-than dividing each entry. A token differs from the reference only if its two
-best race keys are that close. The CUDA tests compare exactly with fixed seeds.
-sample_draft uses the equivalent Gumbel form argmax_v logits_v / T - log(E_v)
-(no softmax needed).
+A uniform is ``(bits >> 8) * 2**-24`` (exact in float32, in [0, 1)). An
+exponential is E = -log(1 - w) with ``w = float32(bits) * 2**-32 + 2**-33``;
+for w < 2**-7 E is the series w(1 + w(1/2 + w(1/3 + w/4))) instead, so that
+small E (the likely winners of a race) keep 32-bit resolution; w = 1 gives
+E = inf.
+
+Segmented race (rejection_sample's residual and bonus draws, and the
+fallback). The weights r (>= 0, float32) are cut into segments of SEGMENT = 4
+consecutive entries (the last one zero-padded). Segment s has the pair sums
+``r[4s] + r[4s+1]`` and ``r[4s+2] + r[4s+3]`` and the total T_s = their sum
+(exactly these additions, in this order, in every kernel), and the race key
+T_s / E_s with E_s the exponential of draw ``2s``. The winning segment is the
+argmax of the keys (lowest s on ties; a key must be > 0 to count). Within it,
+with u the uniform of draw ``2s + 1`` and t = u * T_s, the token is found by
+walking down the pair tree: at a node with children (a, b), go right if a == 0
+or (b > 0 and t >= a), subtracting a from t; else go left. The winner is then a
+draw from normalize(r): a segment wins with probability T_s / sum(T) (the
+exponential race), and the walk picks an entry with probability r_v / T_s. A
+zero-weight entry is never picked. Per entry this costs a subtraction, a max
+and an addition; the hash and the logarithm are paid once per 4 entries. The
+race does not depend on the order in which segments are visited, so chunked
+kernels agree with the reference. The CUDA kernels take log from the hardware
+lg2.approx (absolute error ~2**-22 in log2, so E is off by up to ~1e-5
+relative just above w = 2**-7, far less elsewhere), rank keys by
+cross-multiplying (T1 * E2 > T2 * E1, no division per segment) and may fuse
+multiplies and adds (the exponential's series, t - a), so a token can differ
+from the reference's only when two race keys or a threshold and a pair sum are
+that close. The CUDA tests
+compare exactly with fixed seeds. sample_draft races every entry: the Gumbel
+form argmax_v logits_v / T - log(E_v), E_v from draw v (no softmax needed).
 
 Kernels: the reference (`*_reference`) is vectorized PyTorch that
 materializes the residual race at every position; the CPU kernel
 (csrc/sampling.cpp) races only the one rejected/bonus row; the CUDA kernel is
 one Triton launch. rejection_sample's kernel is a grid of (B, chunks): every
 program evaluates the k accept tests (they only need p(x), q(x), one uniform),
-races its chunk of V at the rejected/bonus position, and folds its winner
-(key bits, V-1-index) into a per-row slot with an int64 atomic max; an atomic
-ticket elects the last program of the row, which writes the output row and
-the counters. The slot and ticket live in the persistent zeroed scratch of
-`_launch.zeroed_scratch`, which the last program resets, so a call is one
-launch with no memset (two streams must not run these kernels on one device
-at the same time); it is used only when V is split. The number of chunks
-depends only on B, V and the SM count: chunks of at most 8192 tokens, more
-when needed for one program per SM; each program pipelines its chunk's loads
-(Triton's async copies, 4 stages). A row whose residual has no positive
-key is redrawn from p_j by the last program alone (a slow path: it needs
-p_j <= q_j everywhere, i.e. p_j == q_j up to rounding, and a rejection there
-needs q_j(x_j) == 0 or rounding). sample_draft's kernel is one program per row
-that streams the row twice: the race and an online softmax normalizer, then
-(with probs) the normalized probabilities.
+races the segments of its chunk of V at the rejected/bonus position (a
+segment is one 16-byte vector of one thread; each lane keeps its best
+segment's total, E, index and weights, and walks down the winner's tree once,
+after the loop),
+and folds its winner (key bits, V-1-token) into a per-row slot with an int64
+atomic max; an atomic ticket elects the last program of the row, which
+writes the output row and the counters. The slot and ticket live in the
+persistent zeroed scratch of `_launch.zeroed_scratch`, which the last program
+resets, so a call is one launch with no memset (two streams must not run
+these kernels on one device at the same time); it is used only when V is
+split. The number of chunks depends only on B, V and the SM count: chunks of
+at most 8192 tokens, more when needed for one program per SM; each program
+pipelines its chunk's loads (Triton's async copies). A row whose residual has
+no positive key is redrawn from p_j by the last program alone (a slow path: it
+needs p_j <= q_j everywhere, i.e. p_j == q_j up to rounding, and a rejection
+there needs q_j(x_j) == 0 or rounding). sample_draft's kernel is one program
+per row that streams the row twice: the race and an online softmax
+normalizer, then (with probs) the normalized probabilities.
 """
 from __future__ import annotations
 
@@ -125,6 +146,7 @@ _C1, _C2, _C3 = 0xCC9E2D51, 0x1B873593, 0xE6546B64
 _F1, _F2 = 0x85EBCA6B, 0xC2B2AE35
 _THIRD = 0.3333333432674408  # float32(1/3), written exactly so every backend uses the same constant
 _SERIES_BELOW = 0.0078125  # 2**-7
+SEGMENT = 4  # vocabulary entries per race segment of rejection_sample (part of its random stream)
 
 
 def rejection_sample(
@@ -212,10 +234,39 @@ def exponential_from_bits(bits: torch.Tensor) -> torch.Tensor:
 # --- references -----------------------------------------------------------------------------
 
 
-def _race(weights: torch.Tensor, exponentials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exponential race over the last dim: (winner index, whether its key is positive)."""
-    keys = weights / exponentials
-    return keys.argmax(-1), keys.amax(-1) > 0
+def _segment_levels(weights: torch.Tensor) -> list[torch.Tensor]:
+    """The sum trees of the segments of the last dim: [w, pair sums, ..., totals], each [..., segments, width].
+
+    The last dim is zero-padded to whole segments. Each level adds adjacent pairs of the one below
+    (x[2m] + x[2m+1]), the one association every kernel uses, so the float sums agree bit for bit.
+    """
+    vocab = weights.shape[-1]
+    padded = torch.nn.functional.pad(weights, (0, -vocab % SEGMENT))
+    levels = [padded.unflatten(-1, (-1, SEGMENT))]
+    while levels[-1].shape[-1] > 1:
+        x = levels[-1]
+        levels.append(x[..., 0::2] + x[..., 1::2])
+    return levels
+
+
+def _segment_race(weights, seeds, positions, purpose: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segmented race over weights [B, V] (>= 0), seeds and positions [B, 1]: (token, whether a key is > 0)."""
+    levels = _segment_levels(weights)
+    totals = levels[-1][..., 0]  # [B, segments]
+    segments = torch.arange(totals.shape[-1], device=weights.device)
+    keys = totals / exponential_from_bits(random_bits(seeds, positions, purpose, 2 * segments))
+    winner = keys.argmax(-1, keepdim=True)  # [B, 1], lowest segment on ties
+    u = uniform_from_bits(random_bits(seeds, positions, purpose, 2 * winner + 1))[:, 0]
+    threshold = u * totals.gather(-1, winner)[:, 0]
+    node = torch.zeros_like(winner[:, 0])
+    for level in levels[-2::-1]:  # widths 2, 4, ..., SEGMENT: descend from the total to a leaf
+        children = level.gather(1, winner[:, :, None].expand(-1, 1, level.shape[-1]))[:, 0]
+        left = children.gather(-1, 2 * node[:, None])[:, 0]
+        right = children.gather(-1, 2 * node[:, None] + 1)[:, 0]
+        go_right = (left == 0) | ((right > 0) & (threshold >= left))
+        threshold = torch.where(go_right, threshold - left, threshold)
+        node = 2 * node + go_right.long()
+    return winner[:, 0] * SEGMENT + node, keys.amax(-1) > 0
 
 
 def rejection_sample_reference(
@@ -238,8 +289,7 @@ def rejection_sample_reference(
     one_hot = torch.nn.functional.one_hot(safe, vocab).float() * valid[..., None]
     q = one_hot if draft_probs is None else draft_probs.float()
 
-    cols = torch.arange(k + 1, device=device)
-    positions = offsets[:, None] + cols  # [B, k+1]
+    positions = offsets[:, None] + torch.arange(k + 1, device=device)  # [B, k+1]
     seeds2 = seeds[:, None]
 
     p_x = p[:, :k].gather(2, safe[..., None])[..., 0]
@@ -250,15 +300,14 @@ def rejection_sample_reference(
     # Residual at every position i < k; the bonus race is position k with q = 0.
     q_full = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1)
     residual = torch.clamp(p - q_full, min=0)
-    purpose = torch.where(cols < k, RESIDUAL, BONUS)
-    vocab_ids = torch.arange(vocab, device=device)
-    exps = torch.stack([
-        exponential_from_bits(random_bits(seeds2, positions[:, i:i + 1], int(purpose[i]), vocab_ids))
-        for i in range(k + 1)
-    ], dim=1)  # [B, k+1, V]
-    residual_token, has_residual = _race(residual, exps)
-    fallback_token, _ = _race(p, exps)
-    token = torch.where(has_residual, residual_token, fallback_token)
+    tokens = []
+    for i in range(k + 1):
+        purpose = RESIDUAL if i < k else BONUS
+        residual_token, has_residual = _segment_race(residual[:, i], seeds2, positions[:, i:i + 1], purpose)
+        fallback_token, has_fallback = _segment_race(p[:, i], seeds2, positions[:, i:i + 1], purpose)
+        token = torch.where(has_residual, residual_token, torch.where(has_fallback, fallback_token, 0))
+        tokens.append(token.clamp(0, vocab - 1))
+    token = torch.stack(tokens, dim=1)  # [B, k+1]
 
     bonus = token[:, k] if bonus_token_ids is None else bonus_token_ids.reshape(batch)
     return create_output_reference(accepted, token[:, :k].to(draft_token_ids.dtype), draft_token_ids,
@@ -375,12 +424,13 @@ def _sample_draft_with_probs_fake(logits, temperature, seeds, positions, probs):
 
 # --- Triton kernels ---------------------------------------------------------------------------
 
-# Chosen by a sweep on the H200 (benchmarks/RESULTS.md): 4 warps over 512-entry blocks, four pipeline stages,
-# chunks of at most 16 blocks, and at least one program per SM when the batch is small.
-_BLOCK_V = 512
+# Chosen by a sweep on the H200 (benchmarks/RESULTS.md): 4 warps over 1024-entry blocks (two segments per
+# thread), three pipeline stages, chunks of at most 8192 entries, and at least one program per SM when the batch
+# is small.
+_BLOCK_V = 1024
 _NUM_WARPS = 4
-_NUM_STAGES = 4
-_MAX_CHUNK = 16 * _BLOCK_V  # longer rows are split even when the batch alone fills the GPU
+_NUM_STAGES = 3
+_MAX_CHUNK = 8192  # longer rows are split even when the batch alone fills the GPU
 _PROGRAMS_PER_SM = 1
 # sample_draft: one program per row, so wide blocks keep a row's passes short.
 _DRAFT_BLOCK_V = 4096
@@ -437,6 +487,49 @@ if HAS_TRITON:
         return tl.where(w < 0.0078125, series, -_log_tl(1.0 - w, FAST_LOG))
 
     @triton.jit
+    def _pair_halves(x, WIDTH: tl.constexpr):
+        """x [S, 2 * WIDTH] -> (x[:, 0::2], x[:, 1::2]), each [S, WIDTH]."""
+        return tl.split(tl.reshape(x, [x.shape[0], WIDTH, 2]))
+
+    @triton.jit
+    def _column(x, index, WIDTH: tl.constexpr):
+        """x[s, index[s]] for x [S, WIDTH]."""
+        return tl.sum(tl.where(tl.arange(0, WIDTH)[None, :] == index[:, None], x, 0.0), axis=1)
+
+    @triton.jit
+    def _descend(left, right, threshold, node):
+        """One level down the sum tree: the child whose share of the parent holds the threshold."""
+        go_right = (left == 0) | ((right > 0) & (threshold >= left))
+        return tl.where(go_right, threshold - left, threshold), 2 * node + go_right.to(tl.int32)
+
+    @triton.jit
+    def _segment_race_tl(weights, segment, state, best_total, best_exp, best_segment, best_weights,
+                         FAST_LOG: tl.constexpr):
+        """Folds a block of segments into the lanes' best: weights [S, 4] (>= 0), segment [S] int32 (indices).
+
+        A segment's 4 entries are one 16-byte vector of one thread, so its sums stay in that thread's registers.
+        Keys total / E are compared by cross-multiplying, so no segment needs a division. A lane starts at
+        (total 0, E 1): only a positive key replaces it, and visiting segments in increasing order keeps the
+        lowest on ties. E is > 0 but may be +inf: 0 * inf = NaN compares false, so such a segment never wins."""
+        w_even, w_odd = _pair_halves(weights, 2)
+        pair_0, pair_1 = tl.split(w_even + w_odd)
+        total = pair_0 + pair_1
+        exponential = _exponential_tl(_draw_bits_tl(state, 2 * segment), FAST_LOG)
+        better = total * best_exp > best_total * exponential
+        return (tl.where(better, total, best_total), tl.where(better, exponential, best_exp),
+                tl.where(better, segment, best_segment), tl.where(better[:, None], weights, best_weights))
+
+    @triton.jit
+    def _segment_pick_tl(weights, segment, state):
+        """The token each segment's race picks within it: down its pair tree, with the uniform of draw 2s+1."""
+        w_even, w_odd = _pair_halves(weights, 2)
+        pair_0, pair_1 = tl.split(w_even + w_odd)
+        u = (_draw_bits_tl(state, 2 * segment + 1) >> 8).to(tl.float32) * 5.960464477539063e-08
+        threshold, node = _descend(pair_0, pair_1, u * (pair_0 + pair_1), tl.zeros_like(segment))
+        threshold, node = _descend(_column(w_even, node, 2), _column(w_odd, node, 2), threshold, node)
+        return segment * 4 + node
+
+    @triton.jit
     def _rejection_sample_kernel(
         p_ptr, draft_ptr, q_ptr, seed_ptr, offset_ptr, bonus_ptr, out_ptr, counters_ptr, workspace_ptr,
         k, vocab, chunk_len,
@@ -482,36 +575,36 @@ if HAS_TRITON:
             need_race = j < k
         else:
             need_race = j <= k
-        # Each lane keeps its best entry as (residual, exponential), key = residual / exponential, and compares
-        # by cross-multiplying, so no entry needs a division. A lane starts at key 0 and only a positive key
-        # replaces it, so masked entries (residual 0) need no mask here. E is > 0 but may be +inf: then
-        # 0 * inf = NaN compares false, so such an entry (key 0) never wins either.
-        best_residual = tl.zeros([BLOCK_V], tl.float32)
-        best_exp = tl.full([BLOCK_V], 1.0, tl.float32)
-        best_idx = tl.full([BLOCK_V], 0, tl.int32) + vocab
+        # Each lane keeps its best segment (total, E, index, weights); the token within it is picked once, after
+        # the loop.
+        best_total = tl.zeros([BLOCK_V // 4], tl.float32)
+        best_exp = tl.full([BLOCK_V // 4], 1.0, tl.float32)
+        best_segment = tl.zeros([BLOCK_V // 4], tl.int32)
+        best_weights = tl.zeros([BLOCK_V // 4, 4], tl.float32)
         if need_race:
             start = chunk * chunk_len
             end = tl.minimum(start + chunk_len, vocab)
             # NUM_STAGES > 1: Triton copies the next blocks in asynchronously while this one is raced.
             for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
-                v = tl.multiple_of(v0, BLOCK_V) + tl.arange(0, BLOCK_V)  # chunks start at multiples of BLOCK_V
+                v0 = tl.multiple_of(v0, BLOCK_V)  # chunks start at multiples of BLOCK_V
+                segment = v0 // 4 + tl.arange(0, BLOCK_V // 4)
+                v = v0 + tl.arange(0, BLOCK_V // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [segments, 4]
                 in_chunk = v < end
                 p = tl.load(p_race + v, mask=in_chunk, other=0.0).to(tl.float32)
                 if HAS_Q:
                     q = tl.load(q_race + v, mask=in_chunk & (v * 0 + j < k), other=0.0).to(tl.float32)  # bonus: q = 0
                 else:
                     q = tl.where(v == draft_j, 1.0, 0.0)
-                residual = tl.maximum(p - q, 0.0)
-                exponential = _exponential_tl(_draw_bits_tl(race_state, v), FAST_LOG)
-                better = residual * best_exp > best_residual * exponential
-                best_residual = tl.where(better, residual, best_residual)
-                best_exp = tl.where(better, exponential, best_exp)
-                best_idx = tl.where(better, v, best_idx)
-        # Packed so that int64 max = larger key, then lower index: one reduction over the lanes, and the same
-        # order for the atomic max across chunks. A lane without a positive key packs to -1 (key 0, index V),
+                best_total, best_exp, best_segment, best_weights = _segment_race_tl(
+                    tl.maximum(p - q, 0.0), segment, race_state, best_total, best_exp, best_segment, best_weights,
+                    FAST_LOG)
+        best_key = best_total / best_exp
+        best_token = tl.where(best_key > 0, _segment_pick_tl(best_weights, best_segment, race_state), vocab)
+        # Packed so that int64 max = larger key, then lower token: one reduction over the lanes, and the same
+        # order for the atomic max across chunks. A lane without a positive key packs to -1 (key 0, token V),
         # and the row's slot starts at 0, so a high word <= 0 means no positive key: the fallback below.
-        best_key = best_residual / best_exp
-        packed = tl.max((best_key.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (vocab - 1 - best_idx).to(tl.int64))
+        packed = tl.max((best_key.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+                        | (vocab - 1 - best_token).to(tl.int64))
 
         if SPLIT:
             # The ticket's release orders this program's max before it; the last
@@ -532,20 +625,22 @@ if HAS_TRITON:
             token = vocab - 1 - (packed & 0xFFFFFFFF)
             if need_race:
                 if (packed >> 32) <= 0:
-                    # No positive residual key: draw from p_j itself, same exponentials.
-                    fb_key = tl.full([BLOCK_V], float("-inf"), tl.float32)
-                    fb_idx = tl.full([BLOCK_V], 0, tl.int32) + vocab
+                    # No positive residual key: draw from p_j itself, same random numbers.
+                    fb_total = tl.zeros([BLOCK_V // 4], tl.float32)
+                    fb_exp = tl.full([BLOCK_V // 4], 1.0, tl.float32)
+                    fb_segment = tl.zeros([BLOCK_V // 4], tl.int32)
+                    fb_weights = tl.zeros([BLOCK_V // 4, 4], tl.float32)
                     for v0 in range(0, vocab, BLOCK_V):
-                        v = v0 + tl.arange(0, BLOCK_V)
-                        in_row = v < vocab
-                        p = tl.load(p_race + v, mask=in_row, other=0.0).to(tl.float32)
-                        key = p / _exponential_tl(_draw_bits_tl(race_state, v), FAST_LOG)
-                        better = in_row & (key > fb_key)
-                        fb_key = tl.where(better, key, fb_key)
-                        fb_idx = tl.where(better, v, fb_idx)
+                        segment = v0 // 4 + tl.arange(0, BLOCK_V // 4)
+                        v = v0 + tl.arange(0, BLOCK_V // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+                        p = tl.load(p_race + v, mask=v < vocab, other=0.0).to(tl.float32)
+                        fb_total, fb_exp, fb_segment, fb_weights = _segment_race_tl(
+                            p, segment, race_state, fb_total, fb_exp, fb_segment, fb_weights, FAST_LOG)
+                    fb_key = fb_total / fb_exp
+                    fb_token = _segment_pick_tl(fb_weights, fb_segment, race_state)
                     top = tl.max(fb_key)
-                    token = tl.min(tl.where(fb_key == top, fb_idx, vocab)).to(tl.int64)
-                token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # a p_j of NaNs races no entry: stay in [0, V)
+                    token = tl.where(top > 0, tl.min(tl.where(fb_key == top, fb_token, vocab)), 0).to(tl.int64)
+                token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # non-finite rows: stay in [0, V)
             if HAS_BONUS:
                 bonus = tl.load(bonus_ptr + row * bonus_stride).to(tl.int64)
             else:

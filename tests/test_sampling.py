@@ -246,20 +246,21 @@ def test_non_finite_probabilities_give_tokens_in_range(kernel, num_chunks, block
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_chunks,block_v", [(None, None), (1, 16), (3, 16)])
 def test_an_infinite_exponential_never_wins(kernel, num_chunks, block_v):
-    """w rounding to 1 gives E = +inf and a key of 0: a later entry of the same lane with any positive residual beats
-    it, as in the reference. Seed 13565 at position 0 draws E = inf at index 656 of the residual race."""
-    vocab, seed, index = 700, 13565, 656
+    """w rounding to 1 gives E = +inf and a key of 0: a later segment of the same lane with any positive residual
+    beats it, as in the reference. Seed 366847 at position 0 draws E = inf for segment 39 of the residual race
+    (draw 78); segment 167 is in the same lane for blocks of 4 and of 128 segments."""
+    vocab, seed, segment, later = 700, 366847, 39, 167
     exponential = sampling.exponential_from_bits(
-        sampling.random_bits(torch.tensor(seed), torch.tensor(0), sampling.RESIDUAL, torch.tensor(index)))
+        sampling.random_bits(torch.tensor(seed), torch.tensor(0), sampling.RESIDUAL, torch.tensor(2 * segment)))
     assert exponential == float("inf")
     p = torch.zeros(1, 2, vocab)
-    p[0, 0, index] = 0.9
-    p[0, 0, index + 16] = 1e-6  # the same lane as index for 16-wide blocks
+    p[0, 0, segment * sampling.SEGMENT + 1] = 0.9
+    p[0, 0, later * sampling.SEGMENT + 2] = 1e-6
     p[0, 1] = 1.0 / vocab
     draft = torch.tensor([[0]])  # p(0) = 0: rejected at position 0, so position 0's residual is raced
     args = (p, draft, None, torch.tensor([seed]), torch.tensor([0]), None)
     out = kernel(args, num_chunks=num_chunks, block_v=block_v)
-    assert out.tolist() == [[index + 16, -1]]
+    assert out.tolist() == [[later * sampling.SEGMENT + 2, -1]]
     assert torch.equal(out, specdec_ops.rejection_sample_reference(*args))
 
 

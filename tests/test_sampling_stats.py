@@ -156,6 +156,21 @@ def test_bonus_column_follows_p_k():
     assert chi_square_pvalue(out[:, 2], p[2]) > P_THRESHOLD
 
 
+def test_segmented_race_within_and_across_segments():
+    """The residual race on its own: an invalid draft id is rejected with q = 0, so the token is a draw from p_0.
+    Segments of 4: one with four distinct weights (both levels of the walk matter), one with zeros (never drawn)
+    and a tiny entry, and V = 11 (a zero-padded last segment)."""
+    p0 = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0, 0.5, 0.0, 1e-3, 0.25, 0.05, 0.6])
+    p = torch.stack([p0 / p0.sum(), torch.full((11,), 1 / 11)])
+    gen = torch.Generator().manual_seed(17)
+    seeds = torch.randint(-2**62, 2**62, (TRIALS,), generator=gen)
+    offsets = torch.randint(0, 2**40, (TRIALS,), generator=gen)
+    draft = torch.full((TRIALS, 1), -1)
+    out = specdec_ops.rejection_sample(p[None].expand(TRIALS, -1, -1), draft, None, seeds, offsets)
+    assert (out[:, 1] == -1).all()
+    assert chi_square_pvalue(out[:, 0], p[0]) > P_THRESHOLD
+
+
 # --- negative controls: the statistic can fail ----------------------------------------------------
 
 
