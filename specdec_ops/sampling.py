@@ -87,19 +87,22 @@ with u the uniform of draw ``2s + 1`` and t = u * T_s, the token is found by
 walking down the pair tree: at a node with children (a, b), go right if a == 0
 or (b > 0 and t >= a), subtracting a from t; else go left. The winner is then a
 draw from normalize(r): a segment wins with probability T_s / sum(T) (the
-exponential race), and the walk picks an entry with probability r_v / T_s. A
-zero-weight entry is never picked. Per entry this costs a subtraction, a max
-and an addition; the hash and the logarithm are paid once per 4 entries. The
-race does not depend on the order in which segments are visited, so chunked
-kernels agree with the reference. The CUDA kernels take log from the hardware
-lg2.approx (absolute error ~2**-22 in log2, so E is off by up to ~1e-5
-relative just above w = 2**-7, far less elsewhere), rank keys by
-cross-multiplying (T1 * E2 > T2 * E1, no division per segment) and may fuse
-multiplies and adds (the exponential's series, t - a), so a token can differ
-from the reference's only when two race keys or a threshold and a pair sum are
-that close. The CUDA tests
-compare exactly with fixed seeds. sample_draft races every entry: the Gumbel
-form argmax_v logits_v / T - log(E_v), E_v from draw v (no softmax needed).
+exponential race), and the walk picks an entry with probability r_v / T_s, up
+to the 2**-24 grid of u: an entry below about 2**-24 of its pair's sum may
+never be picked. A zero-weight entry is never picked. Per entry this costs a
+subtraction, a max and an addition; the hash and the logarithm are paid once
+per 4 entries. The race does not depend on the order in which segments are
+visited, so chunked kernels agree with the reference. The Triton kernel ranks
+the segments a lane visits by cross-multiplying (T1 * E2 > T2 * E1, no
+division per segment), so of two exactly tied keys it may keep the later
+segment; on CUDA it also takes log from the hardware lg2.approx (absolute
+error ~2**-22 in log2, so E is off by up to ~1e-5 relative just above
+w = 2**-7, far less elsewhere) and may fuse multiplies and adds (the
+exponential's series, t - a). Its token can therefore differ from the
+reference's only when two race keys, or a threshold and a pair sum, are that
+close. The CUDA tests compare exactly with fixed seeds. sample_draft races
+every entry: the Gumbel form argmax_v logits_v / T - log(E_v), E_v from draw v
+(no softmax needed).
 
 Kernels: the reference (`*_reference`) is vectorized PyTorch that
 materializes the residual race at every position; the CPU kernel
@@ -424,9 +427,9 @@ def _sample_draft_with_probs_fake(logits, temperature, seeds, positions, probs):
 
 # --- Triton kernels ---------------------------------------------------------------------------
 
-# Chosen by a sweep on the H200 (benchmarks/RESULTS.md): 4 warps over 1024-entry blocks (two segments per
-# thread), three pipeline stages, chunks of at most 8192 entries, and at least one program per SM when the batch
-# is small.
+# Chosen by a geometry sweep on the H200 (a throwaway probe; benchmarks/RESULTS.md says what it covered): 4 warps
+# over 1024-entry blocks (two segments per thread), three pipeline stages, chunks of at most 8192 entries, and at
+# least one program per SM when the batch is small.
 _BLOCK_V = 1024
 _NUM_WARPS = 4
 _NUM_STAGES = 3

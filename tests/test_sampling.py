@@ -248,8 +248,10 @@ def test_non_finite_probabilities_give_tokens_in_range(kernel, num_chunks, block
 def test_an_infinite_exponential_never_wins(kernel, num_chunks, block_v):
     """w rounding to 1 gives E = +inf and a key of 0: a later segment of the same lane with any positive residual
     beats it, as in the reference. Seed 366847 at position 0 draws E = inf for segment 39 of the residual race
-    (draw 78); segment 167 is in the same lane for blocks of 4 and of 128 segments."""
-    vocab, seed, segment, later = 700, 366847, 39, 167
+    (draw 78); `later` is in the same lane for blocks of 16 entries and, in one chunk, for the default block."""
+    seed, segment = 366847, 39
+    later = segment + sampling._BLOCK_V // sampling.SEGMENT
+    vocab = (later + 2) * sampling.SEGMENT
     exponential = sampling.exponential_from_bits(
         sampling.random_bits(torch.tensor(seed), torch.tensor(0), sampling.RESIDUAL, torch.tensor(2 * segment)))
     assert exponential == float("inf")
