@@ -19,10 +19,11 @@ namespace specdec {
 // Launch geometry of the kernels launched from C++ (tuned on the H200);
 // specdec_ops reads it through _C._launch_geometry() for its Python launchers.
 struct PrefillGeometry {
-  static constexpr int rows = 16;        // requests per program
-  static constexpr int slots = 8;        // first tile column: a decode round's query_len + 1 slots
-  static constexpr int long_slots = 32;  // the rest of a long prompt, this many slots at a time (wider tiles
-                                         // made the short-query case slower)
+  static constexpr int rows = 16;          // requests per program
+  static constexpr int slots = 16;         // the tile's first column: all query_len + 1 slots of a decode round
+                                           // with k up to 14 (8 slots made k = 8 take the path below)
+  static constexpr int long_slots = 1024;  // the rest of a longer query, one request at a time, in steps of this
+                                           // many slots
   static constexpr int num_warps = 4;
 };
 struct OutputGeometry {

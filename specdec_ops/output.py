@@ -150,29 +150,31 @@ if HAS_TRITON:
         accepted_row_stride, substitute_row_stride, draft_row_stride, bonus_row_stride,
         BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, COUNT: tl.constexpr,
     ):
-        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         cols = tl.arange(0, BLOCK_COLS)
         row_ok = rows < batch
         rows64 = rows.to(tl.int64)
         in_draft = row_ok[:, None] & (cols[None, :] < k)
 
-        accepted = tl.load(accepted_ptr + rows64[:, None] * accepted_row_stride + cols[None, :],
-                           mask=in_draft, other=0).to(tl.int32)
-        rejected_at = tl.where(in_draft & (accepted == 0), cols[None, :], k)
-        first_rejected = tl.min(rejected_at, axis=1)
-
         # Every load depends only on the program id, so they all issue at once: the
         # latency of this kernel is one round trip to memory, not a chain of them.
+        is_accepted = tl.load(accepted_ptr + rows64[:, None] * accepted_row_stride + cols[None, :],
+                              mask=in_draft, other=0) != 0
         draft = tl.load(draft_ptr + rows64[:, None] * draft_row_stride + cols[None, :], mask=in_draft,
                         other=-1).to(tl.int64)
         substitute = tl.load(substitute_ptr + rows64[:, None] * substitute_row_stride + cols[None, :],
                              mask=in_draft, other=-1).to(tl.int64)
         bonus = tl.load(bonus_ptr + rows64 * bonus_row_stride, mask=row_ok, other=-1).to(tl.int64)
-        last_draft = tl.max(tl.where(cols[None, :] == k - 1, draft, -2), axis=1)
+        # Loaded again on its own rather than picked out of `draft` by a reduction, which
+        # would stand between the loads and the store.
+        last_draft = tl.load(draft_ptr + rows64 * draft_row_stride + (k - 1), mask=row_ok, other=-1)
+
+        rejected_at = tl.where(in_draft & ~is_accepted, cols[None, :], k)
+        first_rejected = tl.min(rejected_at, axis=1)
         emit_bonus = row_ok & (first_rejected == k) & (last_draft != -1)
         bonus = tl.where(emit_bonus, bonus, -1)
         substitute = tl.where(cols[None, :] == first_rejected[:, None], substitute, -1)
-
         out = tl.where(cols[None, :] < first_rejected[:, None], draft, substitute)
         out = tl.where(cols[None, :] == k, bonus[:, None], out)
         in_out = row_ok[:, None] & (cols[None, :] <= k)
@@ -180,10 +182,12 @@ if HAS_TRITON:
                  mask=in_out)
 
         if COUNT:
-            num_accepted = tl.sum(tl.sum((accepted != 0).to(tl.int64), axis=1), axis=0)
-            num_emitted = tl.sum(tl.sum((in_out & (out != -1)).to(tl.int64), axis=1), axis=0)
-            num_rows = tl.sum(row_ok.to(tl.int64), axis=0)
-            add_counters_tl(counters_ptr, num_accepted, num_emitted, num_rows * k)
+            # Both sums in one reduction (each below 2**32, packed in an int64): every
+            # cross-warp reduction adds barriers before the atomic that ends the program.
+            packed = is_accepted.to(tl.int64) + ((in_out & (out != -1)).to(tl.int64) << 32)
+            sums = tl.sum(tl.sum(packed, axis=1), axis=0)
+            num_rows = tl.minimum(batch - pid * BLOCK_ROWS, BLOCK_ROWS).to(tl.int64)
+            add_counters_tl(counters_ptr, sums & 0xFFFFFFFF, sums >> 32, num_rows * k)
 
     _launch_kernel = CachedLaunch(_create_output_kernel)
     expose_to_cpp("create_output", _create_output_kernel)

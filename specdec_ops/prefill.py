@@ -48,10 +48,10 @@ kernel reads or writes out of bounds, and the affected rows are unspecified.
 
 The CUDA kernel is one Triton launch, made from C++ (csrc/prepare_prefill.cpp),
 whose grid depends only on shapes: each program owns a tile of 16 rows (up to
-max_num_reqs) and writes their slots, looping for long prompts, and their
-per-request or padding entries; every program also zeroes one chunk of the
-slots past the last request. No host data, no sync: it can be captured in a
-CUDA graph.
+max_num_reqs) and writes their first 16 slots at once, then the rest of any
+longer query one request at a time, and their per-request or padding entries;
+every program also zeroes one chunk of the slots past the last request. No host
+data, no sync: it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -281,25 +281,25 @@ def _prepare_prefill_into_fake(input_ids, positions, query_start_loc, seq_lens, 
 
 # --- Triton kernel ----------------------------------------------------------------------
 
-# A program handles a tile of ROWS requests x SLOTS slots: a decode round has
-# query_len + 1 = k + 2 or so slots per request, one tile column pass; a long
-# prompt loops over the rest of its slots LONG_SLOTS at a time.
+# A program handles a tile of ROWS requests x SLOTS slots, which holds all of a
+# decode round (query_len + 1 = k + 2 slots per request); the rest of a longer
+# query (a prompt) follows, one request at a time, LONG_SLOTS slots per step.
 # The geometry is set in csrc/triton_launch.h, whose C++ launcher is the CUDA kernel of the op.
 _GEOMETRY = _C._launch_geometry()["prepare_prefill"]
 
 if HAS_TRITON:
 
     @triton.jit
-    def _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, first, live, out_start, q_start, query_len,
-                     num_valid, correction, start_pos, total, max_model_len, SLOTS: tl.constexpr):
-        """Slots [first, first + SLOTS) of every request of the tile."""
-        s = first + tl.arange(0, SLOTS)[None, :]
-        j = out_start[:, None] + s
-        in_slot = live[:, None] & (s <= query_len[:, None]) & (j >= 0) & (j < total)
-        accepted = in_slot & (s < num_valid[:, None])
-        token = tl.load(input_ids_ptr + q_start[:, None] + s, mask=accepted, other=0).to(tl.int64)
-        token = tl.where(s == num_valid[:, None], correction[:, None], token)
-        position = tl.minimum(start_pos[:, None] + s, max_model_len - 1)
+    def _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, s, live, out_start, q_start, query_len,
+                     num_valid, correction, start_pos, total, max_model_len):
+        """Slots `s` of the requests whose values are given (broadcast against s)."""
+        j = out_start + s
+        # (a select, not `live & ...`: the interpreter mistypes a scalar bool & a bool tensor)
+        in_slot = tl.where(live, (s <= query_len) & (j >= 0) & (j < total), False)
+        accepted = in_slot & (s < num_valid)
+        token = tl.load(input_ids_ptr + q_start + s, mask=accepted, other=0).to(tl.int64)
+        token = tl.where(s == num_valid, correction, token)
+        position = tl.minimum(start_pos + s, max_model_len - 1)
         tl.store(out_ids_ptr + j, token.to(out_ids_ptr.dtype.element_ty), mask=in_slot)
         tl.store(out_positions_ptr + j, position, mask=in_slot)
 
@@ -319,49 +319,66 @@ if HAS_TRITON:
         ROWS: tl.constexpr, SLOTS: tl.constexpr, LONG_SLOTS: tl.constexpr,
     ):
         # Program p owns rows [p * ROWS, (p + 1) * ROWS): their slots and per-request
-        # entries, or padding entries for rows >= num_reqs. Every load a store depends
-        # on is at most two deep, which is what bounds the latency of this kernel.
+        # entries, or padding entries for rows >= num_reqs. The kernel's time is its
+        # chain of memory round trips, so every load is issued before the first store
+        # (a load after a store may not move above it: the pointers may alias) and no
+        # load depends on more than one other.
+        tl.static_assert(ROWS < 32, "long_rows below is a bit mask of the tile's rows")
         pid = tl.program_id(0)
         total = num_tokens + num_reqs
         rows = pid * ROWS + tl.arange(0, ROWS)
         live = rows < num_reqs
         raw_start = tl.load(query_start_loc_ptr + rows, mask=live, other=0).to(tl.int32)
-        q_start = tl.minimum(tl.maximum(raw_start, 0), num_tokens)
-        q_end = tl.load(query_start_loc_ptr + rows + 1, mask=live, other=0).to(tl.int32)
-        q_end = tl.minimum(tl.maximum(q_end, q_start), num_tokens)
-        query_len = q_end - q_start
+        raw_end = tl.load(query_start_loc_ptr + rows + 1, mask=live, other=0).to(tl.int32)
         rejected = tl.load(num_rejected_ptr + rows, mask=live, other=0).to(tl.int32)
-        num_valid = query_len - tl.minimum(tl.maximum(rejected, 0), query_len)
         slot = tl.load(idx_mapping_ptr + rows, mask=live, other=0)
+        seq_len = tl.load(seq_lens_ptr + rows, mask=live, other=0).to(tl.int64)
+        tail_start = tl.load(query_start_loc_ptr + num_reqs).to(tl.int32) + num_reqs
+
+        q_start = tl.minimum(tl.maximum(raw_start, 0), num_tokens)
+        query_len = tl.minimum(tl.maximum(raw_end, q_start), num_tokens) - q_start
+        num_valid = query_len - tl.minimum(tl.maximum(rejected, 0), query_len)
         slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
         correction = tl.load(last_sampled_ptr + slot, mask=live, other=0).to(tl.int64)
         start_pos = tl.load(positions_ptr + q_start, mask=live & (query_len > 0), other=0).to(tl.int64)
-        seq_len = tl.load(seq_lens_ptr + rows, mask=live, other=0).to(tl.int64)
         out_start = raw_start + rows
 
+        # Slots [0, SLOTS) of the tile's requests: all of a decode round.
+        _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, tl.arange(0, SLOTS)[None, :], live[:, None],
+                     out_start[:, None], q_start[:, None], query_len[:, None], num_valid[:, None],
+                     correction[:, None], start_pos[:, None], total, max_model_len)
         tl.store(out_last_ptr + rows, tl.where(live, out_start + num_valid, 0).to(tl.int64), mask=rows < max_num_reqs)
         tl.store(out_qsl_ptr + rows, tl.where(live, out_start, total), mask=rows <= max_num_reqs)
         new_seq_len = tl.minimum(seq_len + 1, max_model_len).to(tl.int32)
         tl.store(out_seq_lens_ptr + rows, tl.where(live, new_seq_len, 0), mask=rows < max_num_reqs)
 
-        # Slots of the tile's requests, [ROWS, SLOTS] at a time: the first column
-        # of tiles (all of a decode round) before the loop for long prompts, so
-        # the loop bound's cross-warp reduction overlaps its stores.
-        _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, 0, live, out_start, q_start, query_len,
-                     num_valid, correction, start_pos, total, max_model_len, SLOTS)
-        longest = tl.max(tl.where(live, query_len, -1), axis=0)
-        for first in range(SLOTS, longest + 1, LONG_SLOTS):
-            _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, first, live, out_start, q_start, query_len,
-                         num_valid, correction, start_pos, total, max_model_len, LONG_SLOTS)
-
         # Slots past query_start_loc[num_reqs] + num_reqs (a padded token batch): the
         # grid has enough programs that these chunks cover them all.
-        tail_start = tl.load(query_start_loc_ptr + num_reqs).to(tl.int32) + num_reqs
         tail_start = tl.minimum(tl.maximum(tail_start, 0), total)
         j = tail_start + pid * (ROWS * SLOTS) + tl.arange(0, ROWS * SLOTS)
         in_tail = j < total
         tl.store(out_ids_ptr + j, tl.zeros([ROWS * SLOTS], dtype=out_ids_ptr.dtype.element_ty), mask=in_tail)
         tl.store(out_positions_ptr + j, tl.zeros([ROWS * SLOTS], dtype=tl.int64), mask=in_tail)
+
+        # The rest of requests with more slots (a prompt's draft prefill), one request
+        # at a time, LONG_SLOTS slots per step. Its values are picked out of the tile's
+        # vectors by reductions: using the vectors in a wider tile instead would make
+        # Triton build them in a second layout as well, which slows the common case.
+        long_rows = tl.sum(tl.where(live & (query_len >= SLOTS), 1 << tl.arange(0, ROWS), 0), axis=0)
+        if long_rows != 0:
+            for r in range(ROWS):
+                if (long_rows >> r) & 1:
+                    pick = tl.arange(0, ROWS) == r
+                    row_start = tl.sum(tl.where(pick, out_start, 0), axis=0)
+                    row_q_start = tl.sum(tl.where(pick, q_start, 0), axis=0)
+                    row_len = tl.sum(tl.where(pick, query_len, 0), axis=0)
+                    row_valid = tl.sum(tl.where(pick, num_valid, 0), axis=0)
+                    row_correction = tl.sum(tl.where(pick, correction, 0), axis=0)
+                    row_pos = tl.sum(tl.where(pick, start_pos, 0), axis=0)
+                    for first in range(SLOTS, row_len + 1, LONG_SLOTS):
+                        _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, first + tl.arange(0, LONG_SLOTS),
+                                     True, row_start, row_q_start, row_len, row_valid, row_correction, row_pos, total,
+                                     max_model_len)
 
     _launch_kernel = CachedLaunch(_prepare_prefill_kernel)
     expose_to_cpp("prepare_prefill", _prepare_prefill_kernel)

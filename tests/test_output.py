@@ -23,8 +23,11 @@ def make_verified(seed, batch, k, *, token_dtype=torch.int64, substitute_dtype=N
         lengths = torch.randint(0, k + 1, (batch, 1), generator=gen)
         accepted = torch.arange(k)[None] < lengths
     if accepted_dtype != torch.bool:
-        # nonzero means accepted: use values other than 1 as well
-        accepted = accepted.to(accepted_dtype) * torch.randint(1, 3, (batch, k), generator=gen).to(accepted_dtype)
+        # nonzero means accepted: use values other than 1 as well, among them the sign bit
+        # alone, whose low bits are all zero (a narrowing conversion would read it as 0)
+        sign_bit = 128 if accepted_dtype == torch.uint8 else torch.iinfo(accepted_dtype).min
+        values = torch.tensor([1, 2, sign_bit], dtype=accepted_dtype)
+        accepted = accepted.to(accepted_dtype) * values[torch.randint(0, 3, (batch, k), generator=gen)]
     draft = torch.randint(0, 32000, (batch, k), generator=gen, dtype=torch.int64).to(token_dtype)
     substitute = torch.randint(0, 32000, (batch, k), generator=gen, dtype=torch.int64)
     substitute = substitute.to(substitute_dtype or token_dtype)

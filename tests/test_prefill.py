@@ -13,13 +13,14 @@ from conftest import HAS_CUDA, sync_forbidden
 
 def make_batch(seed, num_reqs, *, max_query_len=9, long_query=False, max_model_len=4096, num_slots=None,
                ids_dtype=torch.int32, pos_dtype=torch.int64, qsl_dtype=torch.int32, misc_dtype=torch.int32,
-               last_dtype=torch.int64, rejected_dtype=torch.int32, num_tokens=None, device="cpu"):
+               last_dtype=torch.int64, rejected_dtype=torch.int32, num_tokens=None, query_lens=None, device="cpu"):
     """A random target batch: query lengths, rejections, slot permutation, positions near max_model_len.
 
-    With num_tokens, the token batch is padded to that length past the last request.
+    With num_tokens, the token batch is padded to that length past the last request; query_lens, when given,
+    sets the num_reqs query lengths.
     """
     gen = random.Random(seed)
-    query_lens = [gen.randint(1, max_query_len) for _ in range(num_reqs)]
+    query_lens = query_lens or [gen.randint(1, max_query_len) for _ in range(num_reqs)]
     if long_query and num_reqs:
         query_lens[gen.randrange(num_reqs)] = gen.randint(1000, 3000)  # a whole prompt as draft prefill
     pad_tokens = 0 if num_tokens is None else num_tokens - sum(query_lens)
@@ -117,6 +118,20 @@ def test_padding_rows_past_num_reqs(kernel, max_num_reqs_extra):
 def test_long_queries(kernel):
     # Query lengths of 1000-3000 tokens: the draft prefill of a whole prompt.
     batch = make_batch(21, 5, long_query=True)
+    assert_same(kernel(batch), specdec_ops.prepare_prefill_reference(**batch))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_long_queries_at_tile_edges(kernel):
+    # A request with more slots than a tile's first column holds continues on its own, LONG_SLOTS
+    # slots per step: several in one tile, at its first and last rows, in two tiles, and lengths
+    # on either side of each boundary.
+    rows, slots, long_slots = (prefill._GEOMETRY[name] for name in ("rows", "slots", "long_slots"))
+    query_lens = [3] * (2 * rows + 3)
+    for row, length in ((0, slots - 1), (1, slots), (5, slots + 1), (rows - 1, slots + long_slots),
+                        (rows, slots + long_slots - 1), (rows + 2, 2500), (2 * rows + 2, slots + long_slots + 1)):
+        query_lens[row] = length
+    batch = make_batch(23, len(query_lens), query_lens=query_lens)
     assert_same(kernel(batch), specdec_ops.prepare_prefill_reference(**batch))
 
 
