@@ -4,6 +4,7 @@ For num_reqs (or B) in 1, 8, 64, 256, 1024 with k = 4, reports per call:
 - eager: host wall time of a Python loop of calls (dispatch + launch included), after a sync;
 - graph: GPU time from replaying a CUDA graph that holds 100 calls, timed with CUDA events;
 for each op and for a plain-PyTorch formulation of it (vectorized torch ops, no custom kernel).
+A second table times prepare_prefill (graph only) on batches with k = 8 or with whole prompts.
 
     python scripts/bench_ops.py [--quick]
 """
@@ -41,20 +42,27 @@ def prepare_prefill_torch(input_ids, positions, query_start_loc, seq_lens, idx_m
     return ids, pos, last, qsl, lens
 
 
-def make_prefill_batch(num_reqs, k, device):
-    """A decode-round batch: each request verified k drafts plus its previous token (query_len = k + 1)."""
-    query_len = k + 1
-    num_tokens = num_reqs * query_len
+def make_prefill_batch(num_reqs, k, device, long_queries=None):
+    """A decode-round batch: each request verified k drafts plus its previous token (query_len = k + 1).
+
+    long_queries maps request index -> query length, for requests that run a prompt's draft prefill instead.
+    """
+    query_lens = [k + 1] * num_reqs
+    for i, length in (long_queries or {}).items():
+        query_lens[i] = length
+    num_tokens = sum(query_lens)
     gen = torch.Generator().manual_seed(num_reqs)
     start = torch.randint(0, 2000, (num_reqs,), generator=gen)
+    lens = torch.tensor(query_lens)
     return dict(
         input_ids=torch.randint(0, 32000, (num_tokens,), generator=gen, dtype=torch.int32).to(device),
-        positions=(start[:, None] + torch.arange(query_len)).flatten().to(device),
-        query_start_loc=(torch.arange(num_reqs + 1) * query_len).to(torch.int32).to(device),
-        seq_lens=(start + query_len).to(torch.int32).to(device),
+        positions=torch.cat([s + torch.arange(q) for s, q in zip(start.tolist(), query_lens)]).to(device),
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32).to(device),
+        seq_lens=(start + lens).to(torch.int32).to(device),
         idx_mapping=torch.randperm(num_reqs, generator=gen).to(torch.int32).to(device),
         last_sampled=torch.randint(0, 32000, (num_reqs,), generator=gen).to(device),
-        num_rejected=torch.randint(0, k + 1, (num_reqs,), generator=gen, dtype=torch.int32).to(device),
+        num_rejected=torch.cat([torch.randint(0, q + 1, (1,), generator=gen) for q in query_lens])
+        .to(torch.int32).to(device),
         max_model_len=4096,
     )
 
@@ -99,6 +107,23 @@ def main():
         assert torch.equal(kernel(), baseline())
         print(f"| create_output | {batch_size} | {eager_us(kernel, iters):.1f} | {graph_us(kernel, replays):.2f} | "
               f"{eager_us(baseline, iters):.1f} | {graph_us(baseline, replays):.2f} |")
+    if not args.quick:
+        # Beyond the issue's sizes: a larger k, and batches with whole prompts (queries longer than the
+        # kernel's first tile column continue one request at a time).
+        print("\n| prepare_prefill batch | kernel graph us | torch graph us |")
+        print("|---|---:|---:|")
+        for label, num_reqs, k_round, long_queries in [
+            ("1024 requests, k = 8", 1024, 8, None),
+            ("63 requests with k = 4, one prompt of 3000 tokens", 64, 4, {17: 3000}),
+            ("61 requests with k = 4, three prompts of 2000 tokens", 64, 4, {3: 2000, 17: 2000, 40: 2000}),
+            ("16 prompts of 2000 tokens", 16, 4, dict.fromkeys(range(16), 2000)),
+        ]:
+            batch = make_prefill_batch(num_reqs, k_round, device, long_queries)
+            kernel = lambda: torch.ops.specdec.prepare_prefill(**batch)  # noqa: E731
+            baseline = lambda: prepare_prefill_torch(**batch, max_num_reqs=num_reqs)  # noqa: E731
+            for got, want in zip(kernel(), baseline()):
+                assert torch.equal(got, want), "torch baseline disagrees with the kernel"
+            print(f"| {label} | {graph_us(kernel, replays):.2f} | {graph_us(baseline, replays):.2f} |")
     return 0
 
 
