@@ -92,9 +92,10 @@ def main():
     print("|---|---:|---:|---:|---:|---:|")
     for num_reqs in sizes:
         batch = make_prefill_batch(num_reqs, k, device)
-        max_num_reqs = num_reqs
-        kernel = lambda: torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=max_num_reqs)  # noqa: E731
-        baseline = lambda: prepare_prefill_torch(**batch, max_num_reqs=max_num_reqs)  # noqa: E731
+        positional = list(batch.values())
+        # The library's wrapper, called positionally, as the create_output rows call theirs.
+        kernel = lambda: specdec_ops.prepare_prefill(*positional)  # noqa: E731
+        baseline = lambda: prepare_prefill_torch(**batch, max_num_reqs=num_reqs)  # noqa: E731
         for got, want in zip(kernel(), baseline()):
             assert torch.equal(got, want), "torch baseline disagrees with the kernel"
         print(f"| prepare_prefill | {num_reqs} | {eager_us(kernel, iters):.1f} | {graph_us(kernel, replays):.2f} | "
