@@ -1,7 +1,9 @@
 // CPU kernel and C++ CUDA launcher of specdec::prepare_prefill and
 // specdec::prepare_prefill_into. The contract is in specdec_ops/prefill.py.
-// Out-of-range input values are clamped exactly as the Triton kernel clamps
-// them, so no value can make either kernel read or write out of bounds.
+// Out-of-range input values are clamped, as in the Triton kernel, so that no
+// value can make either kernel read or write out of bounds. The rows they
+// affect are unspecified, and there the two kernels may differ (values beyond
+// int32, a non-monotone query_start_loc).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

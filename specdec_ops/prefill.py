@@ -47,11 +47,11 @@ out-of-range value (a slot past ``last_sampled``, ``num_rejected`` outside
 kernel reads or writes out of bounds, and the affected rows are unspecified.
 
 The CUDA kernel is one Triton launch, made from C++ (csrc/prepare_prefill.cpp),
-whose grid depends only on shapes: each program owns a tile of 16 rows (up to
-max_num_reqs) and writes their first 16 slots at once, then the rest of any
-longer query one request at a time, and their per-request or padding entries;
-every program also zeroes one chunk of the slots past the last request. No host
-data, no sync: it can be captured in a CUDA graph.
+whose grid depends only on shapes: each program owns a tile of rows (up to
+max_num_reqs) and writes their first slots at once (all of a decode round),
+then the rest of any longer query one request at a time, and their per-request
+or padding entries; every program also zeroes one chunk of the slots past the
+last request. No host data, no sync: it can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -294,7 +294,8 @@ if HAS_TRITON:
                      num_valid, correction, start_pos, total, max_model_len):
         """Slots `s` of the requests whose values are given (broadcast against s)."""
         j = out_start + s
-        # (a select, not `live & ...`: the interpreter mistypes a scalar bool & a bool tensor)
+        # (a select, not `live & ...`: Triton 3.9's interpreter types a 0-d bool tensor & a
+        # bool tensor as int32, which tl.load rejects as a mask)
         in_slot = tl.where(live, (s <= query_len) & (j >= 0) & (j < total), False)
         accepted = in_slot & (s < num_valid)
         token = tl.load(input_ids_ptr + q_start + s, mask=accepted, other=0).to(tl.int64)
@@ -320,9 +321,9 @@ if HAS_TRITON:
     ):
         # Program p owns rows [p * ROWS, (p + 1) * ROWS): their slots and per-request
         # entries, or padding entries for rows >= num_reqs. The kernel's time is its
-        # chain of memory round trips, so every load is issued before the first store
-        # (a load after a store may not move above it: the pointers may alias) and no
-        # load depends on more than one other.
+        # chain of memory round trips, so every load of the common path is issued
+        # before its first store (a load after a store may not move above it: the
+        # pointers may alias), and no load waits on more than one earlier round trip.
         tl.static_assert(ROWS < 32, "long_rows below is a bit mask of the tile's rows")
         pid = tl.program_id(0)
         total = num_tokens + num_reqs
@@ -361,9 +362,10 @@ if HAS_TRITON:
         tl.store(out_positions_ptr + j, tl.zeros([ROWS * SLOTS], dtype=tl.int64), mask=in_tail)
 
         # The rest of requests with more slots (a prompt's draft prefill), one request
-        # at a time, LONG_SLOTS slots per step. Its values are picked out of the tile's
-        # vectors by reductions: using the vectors in a wider tile instead would make
-        # Triton build them in a second layout as well, which slows the common case.
+        # at a time, LONG_SLOTS slots per step. The request's values are picked out of
+        # the tile's vectors by reductions: using the vectors in a wider tile instead
+        # would make Triton build them (loads included) in another layout as well, in
+        # front of the common path.
         long_rows = tl.sum(tl.where(live & (query_len >= SLOTS), 1 << tl.arange(0, ROWS), 0), axis=0)
         if long_rows != 0:
             for r in range(ROWS):

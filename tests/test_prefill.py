@@ -20,7 +20,9 @@ def make_batch(seed, num_reqs, *, max_query_len=9, long_query=False, max_model_l
     sets the num_reqs query lengths.
     """
     gen = random.Random(seed)
-    query_lens = query_lens or [gen.randint(1, max_query_len) for _ in range(num_reqs)]
+    if query_lens is None:
+        query_lens = [gen.randint(1, max_query_len) for _ in range(num_reqs)]
+    query_lens = list(query_lens)
     if long_query and num_reqs:
         query_lens[gen.randrange(num_reqs)] = gen.randint(1000, 3000)  # a whole prompt as draft prefill
     pad_tokens = 0 if num_tokens is None else num_tokens - sum(query_lens)
