@@ -1,6 +1,7 @@
 // CPU kernel and C++ CUDA launcher of specdec::create_output (and its
 // .counted overload). The contract is in specdec_ops/output.py.
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
 #include "checks.h"
@@ -123,7 +124,8 @@ at::Tensor create_output_cuda_impl(const at::Tensor& accepted, const at::Tensor&
   check_inputs(accepted, substitute, draft, bonus, counters);
   const int64_t batch = draft.size(0);
   const int64_t k = draft.size(1);
-  at::Tensor out = at::empty({batch, k + 1}, draft.options());
+  const c10::DeviceGuard guard(draft.device());
+  at::Tensor out = new_cuda_output({batch, k + 1}, draft.scalar_type(), draft.device());
   if (batch == 0) return out;
   int64_t block_cols = 1;
   while (block_cols < k + 1) block_cols *= 2;

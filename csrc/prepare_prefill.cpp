@@ -5,6 +5,7 @@
 // affect are unspecified, and there the two kernels may differ (values beyond
 // int32, a non-monotone query_start_loc).
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -173,12 +174,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_p
   SPECDEC_CHECK(padded_reqs >= num_reqs, kOp, ": argument 'max_num_reqs' must be >= num_reqs = ", num_reqs,
                 ", got ", padded_reqs);
   const int64_t total = input_ids.size(0) + num_reqs;
-  auto opts = input_ids.options();
-  at::Tensor ids = at::empty({total}, opts);
-  at::Tensor pos = at::empty({total}, opts.dtype(at::kLong));
-  at::Tensor last = at::empty({padded_reqs}, opts.dtype(at::kLong));
-  at::Tensor qsl = at::empty({padded_reqs + 1}, opts.dtype(at::kInt));
-  at::Tensor seq = at::empty({padded_reqs}, opts.dtype(at::kInt));
+  const c10::Device device = input_ids.device();
+  const c10::OptionalDeviceGuard guard(device.is_cuda() ? std::optional<c10::Device>(device) : std::nullopt);
+  const auto new_vector = [&](int64_t size, at::ScalarType dtype) {
+    return device.is_cuda() ? new_cuda_output({size}, dtype, device)
+                            : at::empty({size}, input_ids.options().dtype(dtype));
+  };
+  at::Tensor ids = new_vector(total, input_ids.scalar_type());
+  at::Tensor pos = new_vector(total, at::kLong);
+  at::Tensor last = new_vector(padded_reqs, at::kLong);
+  at::Tensor qsl = new_vector(padded_reqs + 1, at::kInt);
+  at::Tensor seq = new_vector(padded_reqs, at::kInt);
   run(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected, max_model_len, ids,
       pos, last, qsl, seq);
   return {ids, pos, last, qsl, seq};

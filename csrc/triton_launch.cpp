@@ -1,5 +1,6 @@
 #include "triton_launch.h"
 
+#include <ATen/EmptyTensor.h>
 #include <Python.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -213,6 +214,16 @@ void launch_triton(const char* kernel, const at::Device& device, const KernelArg
       static_cast<unsigned>(grid[2]), static_cast<unsigned>(32 * loaded.num_warps), 1, 1, loaded.shared_bytes,
       stream, params, nullptr);
   TORCH_CHECK(status == 0, message("specdec_ops: cuLaunchKernel failed for ", kernel, " with CUDA error ", status));
+}
+
+at::Tensor new_cuda_output(c10::IntArrayRef sizes, at::ScalarType dtype, const at::Device& device) {
+  // at::empty's CUDA allocator: torch's caching allocator, or one a user installed before CUDA started (it cannot
+  // change after that). Read once from a tensor at::empty made, so both always agree.
+  static c10::Allocator* const allocator =
+      at::empty({0}, at::TensorOptions().dtype(at::kByte).device(device)).storage().allocator();
+  if (allocator == nullptr) return at::empty(sizes, at::TensorOptions().dtype(dtype).device(device));
+  return at::detail::empty_generic(sizes, allocator, c10::DispatchKeySet(c10::DispatchKey::CUDA), dtype,
+                                   std::nullopt);
 }
 
 }  // namespace specdec

@@ -54,4 +54,10 @@ class KernelArgs {
 void launch_triton(const char* kernel, const at::Device& device, const KernelArgs& args, int num_warps,
                    std::array<int64_t, 3> grid);
 
+// An uninitialized contiguous CUDA tensor, from the allocator at::empty uses,
+// without at::empty's two dispatcher hops (BackendSelect, then the CUDA
+// empty): prepare_prefill allocates five outputs per eager call. The caller
+// holds a device guard for `device` (the allocator serves the current device).
+at::Tensor new_cuda_output(c10::IntArrayRef sizes, at::ScalarType dtype, const at::Device& device);
+
 }  // namespace specdec

@@ -7,13 +7,20 @@ import torch
 CALLS_PER_GRAPH = 100
 
 
-def eager_us(fn, iters: int, warmup: int = 10) -> float:
-    """Host wall-clock microseconds per call of a Python loop (dispatch and launch included), median of 5."""
-    for _ in range(warmup):
+def eager_us(fn, iters: int, warmup: int = 10, warmup_s: float = 0.3) -> float:
+    """Host wall-clock microseconds per call of a Python loop (dispatch and launch included), median of 7.
+
+    Warms up for at least `warmup` calls and `warmup_s` seconds first: on the VM hosts the first few thousand
+    calls after a switch of workload ran up to 1.5x slower than the steady state.
+    """
+    start = time.perf_counter()
+    calls = 0
+    while calls < warmup or time.perf_counter() - start < warmup_s:
         fn()
+        calls += 1
     torch.cuda.synchronize()
     samples = []
-    for _ in range(5):
+    for _ in range(7):
         start = time.perf_counter()
         for _ in range(iters):
             fn()

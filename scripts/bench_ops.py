@@ -4,7 +4,11 @@ For num_reqs (or B) in 1, 8, 64, 256, 1024 with k = 4, reports per call:
 - eager: host wall time of a Python loop of calls (dispatch + launch included), after a sync;
 - graph: GPU time from replaying a CUDA graph that holds 100 calls, timed with CUDA events;
 for each op and for a plain-PyTorch formulation of it (vectorized torch ops, no custom kernel).
-A second table times prepare_prefill (graph only) on batches with k = 8 or with whole prompts.
+A second table times prepare_prefill (graph only) on batches with k = 8 or with whole prompts. A third
+gives this host's floor at each size (graph only): an empty kernel on each op's grid, and on the same grid
+the chain of dependent memory accesses each op's contract cannot avoid (for prepare_prefill a gather
+through idx_mapping, the correction token's two dependent loads, then a store; for create_output one load
+and a store per row). x.add_(1), timed eager before and after the tables, gauges the host's speed.
 
     python scripts/bench_ops.py [--quick]
 """
@@ -12,9 +16,55 @@ import argparse
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 import specdec_ops
 from _timing import eager_us, graph_us  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
+# The ops' launch geometry (csrc/triton_launch.h), so the floor kernels run on the same grids.
+GEOMETRY = specdec_ops._C._launch_geometry()
+
+
+@triton.jit
+def empty_kernel(ptr, n):
+    pass
+
+
+@triton.jit
+def gather_kernel(index_ptr, values_ptr, out_ptr, n, ROWS: tl.constexpr):
+    """out[r] = values[index[r]]: two dependent loads and a store per row."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < n
+    index = tl.load(index_ptr + rows, mask=live, other=0)
+    tl.store(out_ptr + rows, tl.load(values_ptr + index, mask=live, other=0), mask=live)
+
+
+@triton.jit
+def copy_kernel(values_ptr, out_ptr, n, ROWS: tl.constexpr):
+    """out[r] = values[r]: one load and a store per row."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < n
+    tl.store(out_ptr + rows, tl.load(values_ptr + rows, mask=live, other=0), mask=live)
+
+
+def floor_rows(num_reqs, k, device):
+    """Graph us per call of the floor kernels on the grids prepare_prefill and create_output use for this size."""
+    prefill, output = GEOMETRY["prepare_prefill"], GEOMETRY["create_output"]
+    rows, slots = prefill["rows"], prefill["slots"]
+    prefill_grid = (max(triton.cdiv(num_reqs + 1, rows), triton.cdiv(num_reqs * (k + 2), rows * slots)),)
+    output_grid = (triton.cdiv(num_reqs, output["block_rows"]),)
+    index = torch.randperm(num_reqs, device=device).to(torch.int32)
+    values = torch.randint(0, 32000, (num_reqs,), device=device, dtype=torch.int32)
+    out = torch.empty_like(values)
+    return [
+        graph_us(lambda: empty_kernel[prefill_grid](out, num_reqs, num_warps=prefill["num_warps"]), 20),
+        graph_us(lambda: gather_kernel[prefill_grid](index, values, out, num_reqs, ROWS=rows,
+                                                     num_warps=prefill["num_warps"]), 20),
+        graph_us(lambda: empty_kernel[output_grid](out, num_reqs, num_warps=output["num_warps"]), 20),
+        graph_us(lambda: copy_kernel[output_grid](values, out, num_reqs, ROWS=output["block_rows"],
+                                                  num_warps=output["num_warps"]), 20),
+    ]
 
 
 def prepare_prefill_torch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
@@ -88,6 +138,9 @@ def main():
     k, device = 4, "cuda"
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"triton {__import__('triton').__version__} | k = {k}\n")
+    # The host's own speed moves every eager figure: one cheap torch call, timed before and after the tables.
+    scratch = torch.zeros(8, device=device)
+    host_reference = [eager_us(lambda: scratch.add_(1), iters)]
     print("| op | num_reqs / B | kernel eager us | kernel graph us | torch eager us | torch graph us |")
     print("|---|---:|---:|---:|---:|---:|")
     for num_reqs in sizes:
@@ -125,6 +178,15 @@ def main():
             for got, want in zip(kernel(), baseline()):
                 assert torch.equal(got, want), "torch baseline disagrees with the kernel"
             print(f"| {label} | {graph_us(kernel, replays):.2f} | {graph_us(baseline, replays):.2f} |")
+    host_reference.append(eager_us(lambda: scratch.add_(1), iters))
+    print(f"\nHost reference: x.add_(1) on an 8-element CUDA tensor took {host_reference[0]:.1f} us eager per call "
+          f"before the tables and {host_reference[1]:.1f} us after them.")
+    print("\nFloor on this host (graph us per call): an empty kernel, and the dependent memory accesses each "
+          "contract cannot avoid, on each op's grid.\n")
+    print("| num_reqs / B | prepare_prefill grid: empty | gather chain | create_output grid: empty | load, store |")
+    print("|---:|---:|---:|---:|---:|")
+    for num_reqs in sizes:
+        print(f"| {num_reqs} | " + " | ".join(f"{us:.2f}" for us in floor_rows(num_reqs, k, device)) + " |")
     return 0
 
 

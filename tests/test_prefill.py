@@ -400,6 +400,21 @@ def test_cuda_no_sync():
 
 
 @pytest.mark.cuda
+def test_cuda_outputs_come_from_torchs_allocator():
+    """The C++ launcher allocates its outputs past at::empty's dispatch, but from the allocator at::empty uses:
+    torch counts them in memory_allocated and takes them back with the tensors."""
+    batch = make_batch(5, 300, device="cuda")
+    torch.ops.specdec.prepare_prefill(**batch)  # compiles the kernel first
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    outputs = torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=1000)
+    assert all(o.device == batch["input_ids"].device for o in outputs)
+    assert torch.cuda.memory_allocated() - before >= sum(o.untyped_storage().nbytes() for o in outputs)
+    del outputs
+    assert torch.cuda.memory_allocated() == before
+
+
+@pytest.mark.cuda
 def test_cuda_cpp_launcher_matches_python_launcher():
     """The op's CUDA kernel launches from C++; the Python launcher of the same Triton kernel must agree."""
     for seed, (num_reqs, kwargs) in enumerate([(0, {}), (1, {}), (40, dict(ids_dtype=torch.int64)),
