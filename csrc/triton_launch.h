@@ -56,8 +56,11 @@ void launch_triton(const char* kernel, const at::Device& device, const KernelArg
 
 // An uninitialized contiguous CUDA tensor, from the allocator at::empty uses,
 // without at::empty's two dispatcher hops (BackendSelect, then the CUDA
-// empty): prepare_prefill allocates five outputs per eager call. The caller
-// holds a device guard for `device` (the allocator serves the current device).
+// empty): prepare_prefill allocates five outputs per eager call. Unlike
+// at::empty it does not fill the memory under torch's deterministic mode
+// (the kernels write every element) and leaves the device guard to the
+// caller, who must hold one for `device` (the allocator serves the current
+// device).
 at::Tensor new_cuda_output(c10::IntArrayRef sizes, at::ScalarType dtype, const at::Device& device);
 
 }  // namespace specdec

@@ -10,8 +10,7 @@ CALLS_PER_GRAPH = 100
 def eager_us(fn, iters: int, warmup: int = 10, warmup_s: float = 0.3) -> float:
     """Host wall-clock microseconds per call of a Python loop (dispatch and launch included), median of 7.
 
-    Warms up for at least `warmup` calls and `warmup_s` seconds first, so that the loop is in its steady state
-    (compiled, allocator pools grown) when timing starts.
+    Warms up for at least `warmup` calls and `warmup_s` seconds first, to time a steady state.
     """
     start = time.perf_counter()
     calls = 0

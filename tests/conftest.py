@@ -5,6 +5,7 @@ Kernel tests reach the Triton launchers directly (`_..._triton` functions)
 with CPU tensors there; on a GPU they reach them through the dispatcher.
 """
 import contextlib
+import gc
 import os
 
 import torch
@@ -33,3 +34,21 @@ def sync_forbidden():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def check_outputs_use_torchs_allocator(call):
+    """The C++ CUDA launchers allocate past at::empty's dispatch but from its allocator: the tensors call() returns
+    must be counted in torch.cuda.memory_allocated and given back when dropped."""
+    call()  # compiles the kernel first
+    torch.cuda.synchronize()
+    gc.collect()
+    gc.disable()  # no unrelated CUDA tensor may be collected while the counts are compared
+    try:
+        before = torch.cuda.memory_allocated()
+        outputs = call()
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        assert torch.cuda.memory_allocated() - before >= sum(o.untyped_storage().nbytes() for o in outputs)
+        del outputs
+        assert torch.cuda.memory_allocated() == before
+    finally:
+        gc.enable()

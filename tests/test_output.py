@@ -6,7 +6,7 @@ import specdec_ops
 from specdec_ops import output
 from specdec_ops._triton import HAS_TRITON
 
-from conftest import HAS_CUDA, sync_forbidden
+from conftest import HAS_CUDA, check_outputs_use_torchs_allocator, sync_forbidden
 from test_prefill import make_batch
 
 
@@ -240,6 +240,13 @@ def test_cuda_matches_reference(batch, k):
     expected = specdec_ops.create_output_reference(*args, counters=expected_counters)
     assert torch.equal(out.cpu(), expected)
     assert torch.equal(cuda_counters.cpu(), expected_counters)
+
+
+@pytest.mark.cuda
+def test_cuda_output_comes_from_torchs_allocator():
+    args = [a.cuda() for a in make_verified(6, 300, 5)]
+    counters = torch.zeros(3, dtype=torch.int64, device="cuda")
+    check_outputs_use_torchs_allocator(lambda: specdec_ops.create_output(*args, counters=counters))
 
 
 @pytest.mark.cuda
