@@ -52,15 +52,14 @@ def copy_kernel(values_ptr, out_ptr, n, ROWS: tl.constexpr):
 def floor_rows(num_reqs, k, device, replays):
     """Graph us per call of the floor kernels on the grids prepare_prefill and create_output use for this size."""
     prefill, output = GEOMETRY["prepare_prefill"], GEOMETRY["create_output"]
-    rows, slots = prefill["rows"], prefill["slots"]
-    prefill_grid = (max(triton.cdiv(num_reqs + 1, rows), triton.cdiv(num_reqs * (k + 2), rows * slots)),)
+    prefill_grid = specdec_ops.prefill._grid(num_reqs * (k + 1), num_reqs, num_reqs)  # a decode round's batch
     output_grid = (triton.cdiv(num_reqs, output["block_rows"]),)
     index = torch.randperm(num_reqs, device=device).to(torch.int32)
     values = torch.randint(0, 32000, (num_reqs,), device=device, dtype=torch.int32)
     out = torch.empty_like(values)
     return [
         graph_us(lambda: empty_kernel[prefill_grid](out, num_reqs, num_warps=prefill["num_warps"]), replays),
-        graph_us(lambda: gather_kernel[prefill_grid](index, values, out, num_reqs, ROWS=rows,
+        graph_us(lambda: gather_kernel[prefill_grid](index, values, out, num_reqs, ROWS=prefill["rows"],
                                                      num_warps=prefill["num_warps"]), replays),
         graph_us(lambda: empty_kernel[output_grid](out, num_reqs, num_warps=output["num_warps"]), replays),
         graph_us(lambda: copy_kernel[output_grid](values, out, num_reqs, ROWS=output["block_rows"],

@@ -304,6 +304,11 @@ if HAS_TRITON:
         tl.store(out_ids_ptr + j, token.to(out_ids_ptr.dtype.element_ty), mask=in_slot)
         tl.store(out_positions_ptr + j, position, mask=in_slot)
 
+    @triton.jit
+    def _pick(values, pick):
+        """The entry of the 1-D `values` where `pick` is true (exactly one)."""
+        return tl.sum(tl.where(pick, values, 0), axis=0)
+
     @triton.jit(
         do_not_specialize=["num_tokens", "num_reqs", "num_slots", "max_num_reqs", "max_model_len"],
         do_not_specialize_on_alignment=[
@@ -371,12 +376,12 @@ if HAS_TRITON:
             for r in range(ROWS):
                 if (long_rows >> r) & 1:
                     pick = tl.arange(0, ROWS) == r
-                    row_start = tl.sum(tl.where(pick, out_start, 0), axis=0)
-                    row_q_start = tl.sum(tl.where(pick, q_start, 0), axis=0)
-                    row_len = tl.sum(tl.where(pick, query_len, 0), axis=0)
-                    row_valid = tl.sum(tl.where(pick, num_valid, 0), axis=0)
-                    row_correction = tl.sum(tl.where(pick, correction, 0), axis=0)
-                    row_pos = tl.sum(tl.where(pick, start_pos, 0), axis=0)
+                    row_start = _pick(out_start, pick)
+                    row_q_start = _pick(q_start, pick)
+                    row_len = _pick(query_len, pick)
+                    row_valid = _pick(num_valid, pick)
+                    row_correction = _pick(correction, pick)
+                    row_pos = _pick(start_pos, pick)
                     for first in range(SLOTS, row_len + 1, LONG_SLOTS):
                         _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, first + tl.arange(0, LONG_SLOTS),
                                      True, row_start, row_q_start, row_len, row_valid, row_correction, row_pos, total,
@@ -386,6 +391,13 @@ if HAS_TRITON:
     expose_to_cpp("prepare_prefill", _prepare_prefill_kernel)
 
 
+def _grid(num_tokens: int, num_reqs: int, max_num_reqs: int) -> tuple[int]:
+    """The kernel's grid, as the C++ launcher computes it: a program per tile of rows (padding rows included), and
+    enough programs that their tail chunks cover the token slots."""
+    rows, slots = _GEOMETRY["rows"], _GEOMETRY["slots"]
+    return (max((max_num_reqs + rows) // rows, (num_tokens + num_reqs + rows * slots - 1) // (rows * slots)),)
+
+
 def _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
             max_model_len, out_ids, out_positions, out_last, out_qsl, out_seq_lens) -> None:
     """One launch of the Triton kernel from Python (inputs already validated): the TRITON_INTERPRET path of the
@@ -393,14 +405,12 @@ def _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_s
     num_tokens = input_ids.shape[0]
     num_reqs = query_start_loc.shape[0] - 1
     max_num_reqs = out_last.shape[0]
-    rows, slots = _GEOMETRY["rows"], _GEOMETRY["slots"]
-    grid = (max(triton.cdiv(max_num_reqs + 1, rows), triton.cdiv(num_tokens + num_reqs, rows * slots)),)
     _launch_kernel(
-        grid,
+        _grid(num_tokens, num_reqs, max_num_reqs),
         (input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
          out_ids, out_positions, out_last, out_qsl, out_seq_lens,
          num_tokens, num_reqs, max(last_sampled.shape[0], 1), max_num_reqs, max_model_len),
-        (rows, slots, _GEOMETRY["long_slots"]),
+        (_GEOMETRY["rows"], _GEOMETRY["slots"], _GEOMETRY["long_slots"]),
         num_warps=_GEOMETRY["num_warps"],
     )
 

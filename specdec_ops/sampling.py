@@ -523,6 +523,18 @@ if HAS_TRITON:
                 tl.where(better, segment, best_segment), tl.where(better[:, None], weights, best_weights))
 
     @triton.jit
+    def _segment_race_start_tl(BLOCK_V: tl.constexpr):
+        """The lanes' best before any segment: (total 0, E 1, segment 0, weights 0), a key of 0 that never wins."""
+        return (tl.zeros([BLOCK_V // 4], tl.float32), tl.full([BLOCK_V // 4], 1.0, tl.float32),
+                tl.zeros([BLOCK_V // 4], tl.int32), tl.zeros([BLOCK_V // 4, 4], tl.float32))
+
+    @triton.jit
+    def _segment_block_tl(v0, BLOCK_V: tl.constexpr):
+        """The segments of the block starting at v0 and their entries: (segment [S], v [S, 4])."""
+        segment = v0 // 4 + tl.arange(0, BLOCK_V // 4)
+        return segment, v0 + tl.arange(0, BLOCK_V // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+
+    @triton.jit
     def _segment_pick_tl(weights, segment, state):
         """The token each segment's race picks within it: down its pair tree, with the uniform of draw 2s+1."""
         w_even, w_odd = _pair_halves(weights, 2)
@@ -580,18 +592,13 @@ if HAS_TRITON:
             need_race = j <= k
         # Each lane keeps its best segment (total, E, index, weights); the token within it is picked once, after
         # the loop.
-        best_total = tl.zeros([BLOCK_V // 4], tl.float32)
-        best_exp = tl.full([BLOCK_V // 4], 1.0, tl.float32)
-        best_segment = tl.zeros([BLOCK_V // 4], tl.int32)
-        best_weights = tl.zeros([BLOCK_V // 4, 4], tl.float32)
+        best_total, best_exp, best_segment, best_weights = _segment_race_start_tl(BLOCK_V)
         if need_race:
             start = chunk * chunk_len
             end = tl.minimum(start + chunk_len, vocab)
             # NUM_STAGES > 1: Triton copies the next blocks in asynchronously while this one is raced.
             for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
-                v0 = tl.multiple_of(v0, BLOCK_V)  # chunks start at multiples of BLOCK_V
-                segment = v0 // 4 + tl.arange(0, BLOCK_V // 4)
-                v = v0 + tl.arange(0, BLOCK_V // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [segments, 4]
+                segment, v = _segment_block_tl(tl.multiple_of(v0, BLOCK_V), BLOCK_V)  # chunks start at multiples
                 in_chunk = v < end
                 p = tl.load(p_race + v, mask=in_chunk, other=0.0).to(tl.float32)
                 if HAS_Q:
@@ -629,13 +636,9 @@ if HAS_TRITON:
             if need_race:
                 if (packed >> 32) <= 0:
                     # No positive residual key: draw from p_j itself, same random numbers.
-                    fb_total = tl.zeros([BLOCK_V // 4], tl.float32)
-                    fb_exp = tl.full([BLOCK_V // 4], 1.0, tl.float32)
-                    fb_segment = tl.zeros([BLOCK_V // 4], tl.int32)
-                    fb_weights = tl.zeros([BLOCK_V // 4, 4], tl.float32)
+                    fb_total, fb_exp, fb_segment, fb_weights = _segment_race_start_tl(BLOCK_V)
                     for v0 in range(0, vocab, BLOCK_V):
-                        segment = v0 // 4 + tl.arange(0, BLOCK_V // 4)
-                        v = v0 + tl.arange(0, BLOCK_V // 4)[:, None] * 4 + tl.arange(0, 4)[None, :]
+                        segment, v = _segment_block_tl(v0, BLOCK_V)
                         p = tl.load(p_race + v, mask=v < vocab, other=0.0).to(tl.float32)
                         fb_total, fb_exp, fb_segment, fb_weights = _segment_race_tl(
                             p, segment, race_state, fb_total, fb_exp, fb_segment, fb_weights, FAST_LOG)
