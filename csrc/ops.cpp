@@ -8,11 +8,16 @@
 #include <torch/library.h>
 
 // Lets `from specdec_ops import _C` load this library, which runs the
-// registrations below (the extension-cpp pattern). Its two functions connect
-// the C++ CUDA launcher (csrc/triton_launch.cpp) with the Python side.
+// registrations below (the extension-cpp pattern). Its functions connect the
+// C++ CUDA launcher (csrc/triton_launch.cpp) with the Python side and give the
+// wrappers of the C++-launched ops their eager calls (csrc/eager_entry.cpp).
 extern "C" {
 PyObject* specdec_set_triton_provider(PyObject* self, PyObject* fn);
 PyObject* specdec_launch_geometry(PyObject* self, PyObject* unused);
+PyObject* specdec_register_eager(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+PyObject* specdec_eager_prepare_prefill(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+PyObject* specdec_eager_prepare_prefill_into(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+PyObject* specdec_eager_create_output(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 
 PyObject* PyInit__C(void) {
   static PyMethodDef methods[] = {
@@ -20,6 +25,17 @@ PyObject* PyInit__C(void) {
        "Registers fn(kernel_name, signature, num_warps) -> (CUfunction, shared bytes)."},
       {"_launch_geometry", specdec_launch_geometry, METH_NOARGS,
        "Tile sizes and warps of the kernels launched from C++."},
+      {"register_eager", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(specdec_register_eager)),
+       METH_FASTCALL, "register_eager(name, fallback, result_type=None): the torch.ops path of an eager entry."},
+      {"eager_prepare_prefill",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(specdec_eager_prepare_prefill)), METH_FASTCALL,
+       "prepare_prefill's eager call, all nine arguments positional."},
+      {"eager_prepare_prefill_into",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(specdec_eager_prepare_prefill_into)),
+       METH_FASTCALL, "prepare_prefill_into's eager call, all thirteen arguments positional."},
+      {"eager_create_output",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(specdec_eager_create_output)), METH_FASTCALL,
+       "create_output's eager call: four tensors and counters (None picks the default overload)."},
       {nullptr, nullptr, 0, nullptr}};
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);

@@ -187,7 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prepare_p
   at::Tensor seq = new_vector(padded_reqs, at::kInt);
   run(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected, max_model_len, ids,
       pos, last, qsl, seq);
-  return {ids, pos, last, qsl, seq};
+  return {std::move(ids), std::move(pos), std::move(last), std::move(qsl), std::move(seq)};
 }
 
 }  // namespace

@@ -38,7 +38,7 @@ def main():
     ids = torch.randint(0, 32000, (64, 4), device="cuda")
     bonus = torch.randint(0, 32000, (64, 1), device="cuda")
     counters = torch.zeros(3, dtype=torch.int64, device="cuda")
-    print(f"| specdec_ops.create_output(B=64, counters), C++ launch | "
+    print(f"| specdec_ops.create_output(B=64, counters), C++ entry and launch | "
           f"{eager_us(lambda: specdec_ops.create_output(accepted, ids, ids, bonus, counters=counters), 2000, warmup=50):.1f} |")
     print(f"| torch.empty(5, device='cuda') | {eager_us(lambda: torch.empty(5, device='cuda'), 2000, warmup=50):.1f} |")
     return 0

@@ -1,7 +1,8 @@
 """Benchmark of the seed ops: prepare_prefill and create_output (H200; needs CUDA).
 
 For num_reqs (or B) in 1, 8, 64, 256, 1024 with k = 4, reports per call:
-- eager: host wall time of a Python loop of calls (dispatch + launch included), after a sync;
+- eager: host wall time of a Python loop of calls (dispatch + launch included), after a sync, both for the
+  library's wrapper (its eager entry, csrc/eager_entry.cpp) and for the torch.ops call of the op;
 - graph: GPU time from replaying a CUDA graph that holds 100 calls, timed with CUDA events;
 for each op and for a plain-PyTorch formulation of it (vectorized torch ops, no custom kernel).
 A second table times prepare_prefill (graph only) on batches with k = 8 or with whole prompts. A third
@@ -141,26 +142,29 @@ def main():
     # The host's own speed moves every eager figure: one cheap torch call, timed before and after the tables.
     scratch = torch.zeros(8, device=device)
     host_reference = [eager_us(lambda: scratch.add_(1), iters)]
-    print("| op | num_reqs / B | kernel eager us | kernel graph us | torch eager us | torch graph us |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| op | num_reqs / B | wrapper eager us | torch.ops eager us | kernel graph us | plain torch eager us | "
+          "plain torch graph us |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for num_reqs in sizes:
         batch = make_prefill_batch(num_reqs, k, device)
         positional = list(batch.values())
         # The library's wrapper, called positionally, as the create_output rows call theirs.
         kernel = lambda: specdec_ops.prepare_prefill(*positional)  # noqa: E731
+        op_call = lambda: torch.ops.specdec.prepare_prefill.default(*positional, None)  # noqa: E731
         baseline = lambda: prepare_prefill_torch(**batch, max_num_reqs=num_reqs)  # noqa: E731
-        for got, want in zip(kernel(), baseline()):
-            assert torch.equal(got, want), "torch baseline disagrees with the kernel"
-        print(f"| prepare_prefill | {num_reqs} | {eager_us(kernel, iters):.1f} | {graph_us(kernel, replays):.2f} | "
-              f"{eager_us(baseline, iters):.1f} | {graph_us(baseline, replays):.2f} |")
+        for got, via_op, want in zip(kernel(), op_call(), baseline()):
+            assert torch.equal(got, want) and torch.equal(via_op, want), "torch baseline disagrees with the kernel"
+        print(f"| prepare_prefill | {num_reqs} | {eager_us(kernel, iters):.1f} | {eager_us(op_call, iters):.1f} | "
+              f"{graph_us(kernel, replays):.2f} | {eager_us(baseline, iters):.1f} | {graph_us(baseline, replays):.2f} |")
     for batch_size in sizes:
         verified = make_verified(batch_size, k, device)
         counters = torch.zeros(3, dtype=torch.int64, device=device)
         kernel = lambda: specdec_ops.create_output(*verified, counters=counters)  # noqa: E731
+        op_call = lambda: torch.ops.specdec.create_output.counted(*verified, counters)  # noqa: E731
         baseline = lambda: specdec_ops.create_output_reference(*verified, counters=counters)  # noqa: E731
-        assert torch.equal(kernel(), baseline())
-        print(f"| create_output | {batch_size} | {eager_us(kernel, iters):.1f} | {graph_us(kernel, replays):.2f} | "
-              f"{eager_us(baseline, iters):.1f} | {graph_us(baseline, replays):.2f} |")
+        assert torch.equal(kernel(), baseline()) and torch.equal(op_call(), baseline())
+        print(f"| create_output | {batch_size} | {eager_us(kernel, iters):.1f} | {eager_us(op_call, iters):.1f} | "
+              f"{graph_us(kernel, replays):.2f} | {eager_us(baseline, iters):.1f} | {graph_us(baseline, replays):.2f} |")
     if not args.quick:
         # Beyond the issue's sizes: a larger k, and batches with whole prompts (queries longer than the
         # kernel's first tile column continue one request at a time).

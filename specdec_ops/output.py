@@ -53,12 +53,23 @@ def create_output(
     Pass ``counters`` (int64, shape [3]) to accumulate (accepted, emitted,
     proposed) token counts in place.
     """
+    if torch.compiler.is_compiling():
+        return _create_output_ops(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters)
+    return _C.eager_create_output(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters)
+
+
+# The torch.ops call: what torch.compile traces, and the eager entry's fallback for arguments that need Python's
+# dispatch (a Tensor subclass, a torch function mode); see csrc/eager_entry.cpp.
+def _create_output_ops(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters):
     if counters is None:
         return torch.ops.specdec.create_output.default(accepted, substitute_token_ids, draft_token_ids,
                                                        bonus_token_ids)
     return torch.ops.specdec.create_output.counted(
         accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters
     )
+
+
+_C.register_eager("create_output", _create_output_ops)
 
 
 def create_output_reference(

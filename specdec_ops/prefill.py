@@ -99,19 +99,11 @@ def prepare_prefill(
     max_num_reqs: int | None = None,
 ) -> PrefillInputs:
     """Builds the draft model's step-0 batch; see the module docstring for the layout."""
-    return PrefillInputs(
-        *torch.ops.specdec.prepare_prefill.default(
-            input_ids,
-            positions,
-            query_start_loc,
-            seq_lens,
-            idx_mapping,
-            last_sampled,
-            num_rejected,
-            max_model_len,
-            max_num_reqs,
-        )
-    )
+    if torch.compiler.is_compiling():
+        return _prepare_prefill_ops(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
+                                    num_rejected, max_model_len, max_num_reqs)
+    return _C.eager_prepare_prefill(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
+                                    num_rejected, max_model_len, max_num_reqs)
 
 
 def prepare_prefill_into(
@@ -136,21 +128,26 @@ def prepare_prefill_into(
     buffers (int32 or int64 ids, int64 positions) may be longer than
     ``num_tokens + num_reqs``: entries past that are left untouched.
     """
-    torch.ops.specdec.prepare_prefill_into.default(
-        input_ids,
-        positions,
-        query_start_loc,
-        seq_lens,
-        idx_mapping,
-        last_sampled,
-        num_rejected,
-        max_model_len,
-        expanded_input_ids,
-        expanded_positions,
-        last_token_indices,
-        expanded_query_start_loc,
-        expanded_seq_lens,
-    )
+    args = (input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
+            max_model_len, expanded_input_ids, expanded_positions, last_token_indices, expanded_query_start_loc,
+            expanded_seq_lens)
+    if torch.compiler.is_compiling():
+        return _prepare_prefill_into_ops(*args)
+    return _C.eager_prepare_prefill_into(*args)
+
+
+# The torch.ops calls of the two wrappers: what torch.compile traces, and the eager entries' fallback for
+# arguments that need Python's dispatch (a Tensor subclass, a torch function mode); see csrc/eager_entry.cpp.
+def _prepare_prefill_ops(*args) -> PrefillInputs:
+    return PrefillInputs(*torch.ops.specdec.prepare_prefill.default(*args))
+
+
+def _prepare_prefill_into_ops(*args) -> None:
+    torch.ops.specdec.prepare_prefill_into.default(*args)
+
+
+_C.register_eager("prepare_prefill", _prepare_prefill_ops, PrefillInputs)
+_C.register_eager("prepare_prefill_into", _prepare_prefill_into_ops)
 
 
 def prepare_prefill_reference(
