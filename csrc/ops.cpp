@@ -1,11 +1,15 @@
-// Schemas of every op in the `specdec` namespace, in one place.
+// Schemas of every op in the `specdec` namespace, in one place, and how the ops
+// meet autograd.
 //
 // Each op's contract (shapes, dtypes, semantics) is documented in its Python
 // module under specdec_ops/; CPU kernels live in csrc/<family>.cpp, CUDA
 // kernels (Triton) and fake kernels in specdec_ops/<family>.py. The seed ops
 // (prepare_prefill, create_output) launch their Triton kernels from C++ too.
 #include <Python.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
+
+#include <vector>
 
 // Lets `from specdec_ops import _C` load this library, which runs the
 // registrations below (the extension-cpp pattern). Its functions connect the
@@ -89,4 +93,44 @@ TORCH_LIBRARY(specdec, m) {
   m.def(
       "advance_draft_step(Tensor sampled_token_ids, Tensor positions, Tensor seq_lens, int max_model_len) "
       "-> (Tensor input_ids, Tensor next_positions, Tensor next_seq_lens)");
+}
+
+// How the ops meet autograd. Their mutated tensors get their version counters
+// bumped, as aten's in-place ops do, so autograd reports a tensor it saved for
+// backward that one of these ops overwrote (inference tensors have no counter).
+namespace {
+
+void bump_mutated_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const size_t first = stack->size() - arguments.size();
+  std::vector<at::Tensor> mutated;  // kept before the call consumes the stack
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const auto* alias = arguments[i].alias_info();
+    const c10::IValue& value = (*stack)[first + i];
+    if (alias != nullptr && alias->isWrite() && value.isTensor()) mutated.push_back(value.toTensor());
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& tensor : mutated) {
+    if (!tensor.is_inference()) tensor.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(specdec, ADInplaceOrView, m) {
+  for (const char* name : {"prepare_prefill_into", "create_output.counted", "rejection_sample.counted",
+                           "sample_draft.with_probs", "greedy_verify.counted", "typical_acceptance.counted"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&bump_mutated_versions>());
+  }
+}
+
+// The two seed ops take and return integer tensors only, which cannot require grad, so autograd's fallback has
+// nothing to do: falling through it keeps their eager calls (csrc/eager_entry.cpp) unboxed down to the kernel.
+TORCH_LIBRARY_IMPL(specdec, Autograd, m) {
+  for (const char* name : {"prepare_prefill", "prepare_prefill_into", "create_output", "create_output.counted"}) {
+    m.impl(name, torch::CppFunction::makeFallthrough());
+  }
 }

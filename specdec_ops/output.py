@@ -58,8 +58,7 @@ def create_output(
     return _C.eager_create_output(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters)
 
 
-# The torch.ops call: what torch.compile traces, and the eager entry's fallback for arguments that need Python's
-# dispatch (a Tensor subclass, a torch function mode); see csrc/eager_entry.cpp.
+# The wrapper's torch.ops call: what torch.compile traces, and the eager entry's fallback (csrc/eager_entry.cpp).
 def _create_output_ops(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, counters):
     if counters is None:
         return torch.ops.specdec.create_output.default(accepted, substitute_token_ids, draft_token_ids,

@@ -128,16 +128,17 @@ def prepare_prefill_into(
     buffers (int32 or int64 ids, int64 positions) may be longer than
     ``num_tokens + num_reqs``: entries past that are left untouched.
     """
-    args = (input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-            max_model_len, expanded_input_ids, expanded_positions, last_token_indices, expanded_query_start_loc,
-            expanded_seq_lens)
     if torch.compiler.is_compiling():
-        return _prepare_prefill_into_ops(*args)
-    return _C.eager_prepare_prefill_into(*args)
+        return _prepare_prefill_into_ops(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
+                                         num_rejected, max_model_len, expanded_input_ids, expanded_positions,
+                                         last_token_indices, expanded_query_start_loc, expanded_seq_lens)
+    return _C.eager_prepare_prefill_into(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
+                                         num_rejected, max_model_len, expanded_input_ids, expanded_positions,
+                                         last_token_indices, expanded_query_start_loc, expanded_seq_lens)
 
 
-# The torch.ops calls of the two wrappers: what torch.compile traces, and the eager entries' fallback for
-# arguments that need Python's dispatch (a Tensor subclass, a torch function mode); see csrc/eager_entry.cpp.
+# The wrappers' torch.ops calls, with the wrappers' positional arguments: what torch.compile traces, and the
+# eager entries' fallback (csrc/eager_entry.cpp).
 def _prepare_prefill_ops(*args) -> PrefillInputs:
     return PrefillInputs(*torch.ops.specdec.prepare_prefill.default(*args))
 

@@ -27,7 +27,8 @@ class Tagged(torch.Tensor):
 def prefill_inputs(seed, device):
     num_reqs = seed % 6  # 0 to 5 requests
     batch = make_batch(seed, num_reqs, long_query=seed % 3 == 0, device=device)
-    return [*batch.values(), num_reqs + seed % 4]  # max_num_reqs at or past num_reqs
+    # max_num_reqs: the default (None) or at or past num_reqs
+    return [*batch.values(), None if seed % 4 == 0 else num_reqs + seed % 4]
 
 
 def run_prefill(inputs, through_entry):
@@ -39,7 +40,9 @@ def run_prefill(inputs, through_entry):
 def prefill_into_inputs(seed, device):
     inputs = prefill_inputs(seed, device)
     *tensors, max_model_len, max_num_reqs = inputs
-    total = tensors[0].shape[0] + tensors[2].shape[0] - 1
+    num_reqs = tensors[2].shape[0] - 1
+    max_num_reqs = num_reqs if max_num_reqs is None else max_num_reqs
+    total = tensors[0].shape[0] + num_reqs
     spare = seed % 3  # persistent buffers may be longer than needed
 
     def buffer(size, dtype):
@@ -153,8 +156,9 @@ def test_tensor_subclass_takes_the_torch_ops_path(case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_plain_calls_skip_the_fallback(case):
-    """With plain tensors and ints the entry calls the op itself: a fallback that fails is never reached."""
+def test_only_plain_calls_skip_the_fallback(case):
+    """With plain tensors and ints the entry calls the op itself: a fallback that fails is not reached. One Tensor
+    subclass among the arguments, in any position, sends the call to it."""
     name = case.split(".")[0]
     originals = {"prepare_prefill": (prefill._prepare_prefill_ops, prefill.PrefillInputs),
                  "prepare_prefill_into": (prefill._prepare_prefill_into_ops,),
@@ -168,27 +172,32 @@ def test_plain_calls_skip_the_fallback(case):
     _C.register_eager(name, failing, *originals[1:])
     try:
         run(inputs, True)
-        with pytest.raises(AssertionError, match="fallback called"):  # the failing fallback is in place
-            run([x.as_subclass(Tagged) if isinstance(x, torch.Tensor) else x for x in inputs], True)
+        if case == "prepare_prefill":
+            run([*inputs[:8], None], True)  # the default max_num_reqs
+        for position, value in enumerate(inputs):
+            if isinstance(value, torch.Tensor):
+                tagged = [*inputs[:position], value.as_subclass(Tagged), *inputs[position + 1:]]
+                with pytest.raises(AssertionError, match="fallback called"):
+                    run(tagged, True)
     finally:
         _C.register_eager(name, *originals)
 
 
+@pytest.mark.parametrize("case", ["prepare_prefill", "prepare_prefill_into"])
 @pytest.mark.parametrize("max_model_len", [np.int64(4096), np.int32(300), True, 4096.0, 2**70])
-def test_other_int_types_get_the_torch_ops_answer(max_model_len):
+def test_other_int_types_get_the_torch_ops_answer(case, max_model_len):
     """Ints torch.ops would convert (or refuse) are handed to it: the same result or the same error."""
-    for case in ("prepare_prefill", "prepare_prefill_into"):
-        make, run, _ = CASES[case]
-        case_inputs = make(5, "cpu")
-        case_inputs[7] = max_model_len
-        try:
-            expected = run(case_inputs, False)
-        except Exception as error:  # noqa: BLE001 (compare whatever torch.ops raises)
-            with pytest.raises(type(error)) as raised:
-                run(case_inputs, True)
-            assert str(raised.value) == str(error)
-        else:
-            assert_same(run(case_inputs, True), expected)
+    make, run, _ = CASES[case]
+    inputs = make(5, "cpu")
+    inputs[7] = max_model_len
+    try:
+        expected = run(inputs, False)
+    except Exception as error:  # noqa: BLE001 (compare whatever torch.ops raises)
+        with pytest.raises(type(error)) as raised:
+            run(inputs, True)
+        assert str(raised.value) == str(error)
+    else:
+        assert_same(run(inputs, True), expected)
 
 
 @pytest.mark.parametrize("name,mutate,message", BAD_INPUTS, ids=[b[0] + str(i) for i, b in enumerate(BAD_INPUTS)])
