@@ -2,8 +2,8 @@
 // create_output), for their Python wrappers.
 //
 // A call through torch.ops.specdec.* converts every argument to an IValue
-// against the schema, calls the op boxed and converts the results back: on
-// the H200's host that costs more than the launch. These entries read their
+// against the schema, calls the op boxed and converts the results back
+// (benchmarks/RESULTS.md times both paths on the H200). These entries read their
 // arguments straight from Python and call the op through the dispatcher,
 // unboxed, so every dispatch key (CPU, CUDA, Python modes, tracers) is still
 // honoured. Calls that torch.ops would hand to __torch_function__ (a Tensor
