@@ -7,9 +7,11 @@ For num_reqs (or B) in 1, 8, 64, 256, 1024 with k = 4, reports per call:
 for each op and for a plain-PyTorch formulation of it (vectorized torch ops, no custom kernel).
 A second table times prepare_prefill (graph only) on batches with k = 8 or with whole prompts. A third
 gives this host's floor at each size (graph only): an empty kernel on each op's grid, and on the same grid
-the chain of dependent memory accesses each op's contract cannot avoid (for prepare_prefill a gather
-through idx_mapping, the correction token's two dependent loads, then a store; for create_output one load
-and a store per row). x.add_(1), timed eager before and after the tables, gauges the host's speed.
+the chains of dependent memory accesses each op's contract cannot avoid. For prepare_prefill: a gather
+through idx_mapping (the correction token's two dependent loads, then a store), and the request chain,
+every per-request access (five loads indexed by the request, the three loads they address, three stores);
+for create_output one load and a store per row. x.add_(1), timed eager before and after the tables, gauges
+the host's speed.
 
     python scripts/bench_ops.py [--quick]
 """
@@ -43,6 +45,27 @@ def gather_kernel(index_ptr, values_ptr, out_ptr, n, ROWS: tl.constexpr):
 
 
 @triton.jit
+def request_chain_kernel(query_start_loc_ptr, num_rejected_ptr, idx_mapping_ptr, seq_lens_ptr, last_sampled_ptr,
+                         positions_ptr, input_ids_ptr, out_token_ptr, out_position_ptr, out_seq_len_ptr, n,
+                         ROWS: tl.constexpr):
+    """Every per-request access of prepare_prefill, one request per row: five loads indexed by the row, the three
+    loads they address (correction token, start position, first token), and three stores."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = rows < n
+    start = tl.load(query_start_loc_ptr + rows, mask=live, other=0)
+    end = tl.load(query_start_loc_ptr + rows + 1, mask=live, other=0)
+    rejected = tl.load(num_rejected_ptr + rows, mask=live, other=0)
+    slot = tl.load(idx_mapping_ptr + rows, mask=live, other=0)
+    seq_len = tl.load(seq_lens_ptr + rows, mask=live, other=0)
+    correction = tl.load(last_sampled_ptr + slot, mask=live, other=0)
+    position = tl.load(positions_ptr + start, mask=live, other=0)
+    token = tl.load(input_ids_ptr + start, mask=live & (rejected < end - start), other=0)
+    tl.store(out_token_ptr + rows, correction + token, mask=live)
+    tl.store(out_position_ptr + rows, position, mask=live)
+    tl.store(out_seq_len_ptr + rows, seq_len, mask=live)
+
+
+@triton.jit
 def copy_kernel(values_ptr, out_ptr, n, ROWS: tl.constexpr):
     """out[r] = values[r]: one load and a store per row."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -58,10 +81,17 @@ def floor_rows(num_reqs, k, device, replays):
     index = torch.randperm(num_reqs, device=device).to(torch.int32)
     values = torch.randint(0, 32000, (num_reqs,), device=device, dtype=torch.int32)
     out = torch.empty_like(values)
+    batch = make_prefill_batch(num_reqs, k, device)
+    out_token, out_position = torch.empty_like(batch["last_sampled"]), torch.empty_like(batch["last_sampled"])
+    request_chain_args = (batch["query_start_loc"], batch["num_rejected"], batch["idx_mapping"], batch["seq_lens"],
+                          batch["last_sampled"], batch["positions"], batch["input_ids"], out_token, out_position, out,
+                          num_reqs)
     return [
         graph_us(lambda: empty_kernel[prefill_grid](out, num_reqs, num_warps=prefill["num_warps"]), replays),
         graph_us(lambda: gather_kernel[prefill_grid](index, values, out, num_reqs, ROWS=prefill["rows"],
                                                      num_warps=prefill["num_warps"]), replays),
+        graph_us(lambda: request_chain_kernel[prefill_grid](*request_chain_args, ROWS=prefill["rows"],
+                                                            num_warps=prefill["num_warps"]), replays),
         graph_us(lambda: empty_kernel[output_grid](out, num_reqs, num_warps=output["num_warps"]), replays),
         graph_us(lambda: copy_kernel[output_grid](values, out, num_reqs, ROWS=output["block_rows"],
                                                   num_warps=output["num_warps"]), replays),
@@ -189,8 +219,9 @@ def main():
           f"before the tables and {host_reference[1]:.1f} us after them.")
     print("\nFloor on this host (graph us per call): an empty kernel, and the dependent memory accesses each "
           "contract cannot avoid, on each op's grid.\n")
-    print("| num_reqs / B | prepare_prefill grid: empty | gather chain | create_output grid: empty | load, store |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| num_reqs / B | prepare_prefill grid: empty | gather chain | request chain | create_output grid: empty | "
+          "load, store |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for num_reqs in sizes:
         print(f"| {num_reqs} | " + " | ".join(f"{us:.2f}" for us in floor_rows(num_reqs, k, device, replays)) + " |")
     return 0
