@@ -100,6 +100,8 @@ class AttentionMetadata(NamedTuple):
 
 
 NULL_BLOCK = 0
+# Round sizes whose copy views a proposer keeps (see DraftProposer._round_copy); past this many, it starts over.
+MAX_CACHED_ROUND_SIZES = 128
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,15 @@ class BlockPool:
 
     def release(self, blocks: Sequence[int]) -> None:
         self.free.extend(blocks)
+
+
+class _RoundCopy(NamedTuple):
+    """What `DraftProposer.propose` needs for a round of given sizes."""
+
+    batch: int  # the padded sizes the round runs at
+    tokens: int
+    buffers: list[torch.Tensor]  # where the round's inputs and live counts are copied
+    live_counts: list[torch.Tensor]  # the live counts, views of the device-side arange
 
 
 class DraftProposer:
@@ -241,6 +252,7 @@ class DraftProposer:
             self._step = torch.compile(self.propose_step, fullgraph=True, dynamic=False)
         self.manual_graphs = cuda_graphs is True
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._round_copies: dict[tuple[int, int, int], _RoundCopy] = {}
         self._graph_pool = None
 
     @staticmethod
@@ -275,26 +287,43 @@ class DraftProposer:
                 temperature, seeds):
         """One propose round; returns (draft_tokens [n, k], draft_probs [n, k, V] or None)."""
         num_reqs, num_tokens = query_start_loc.shape[0] - 1, input_ids.shape[0]
-        batch, tokens = self.padded_sizes(num_reqs, num_tokens)
-        if last_sampled.shape[0] > self.num_slots:
-            raise ValueError(f"DraftProposer.propose: last_sampled has {last_sampled.shape[0]} entries, "
-                             f"more than num_slots = {self.num_slots}")
+        copy = self._round_copy(num_reqs, num_tokens, last_sampled.shape[0])
         # One multi-tensor copy; stale entries past n and t are masked inside the step.
-        torch._foreach_copy_(
-            [self.input_ids[:num_tokens], self.positions[:num_tokens], self.query_start_loc[: num_reqs + 1],
-             self.seq_lens[:num_reqs], self.idx_mapping[:num_reqs], self.num_rejected[:num_reqs],
-             self.temperature[:num_reqs], self.seeds[:num_reqs], self.last_sampled[: last_sampled.shape[0]],
-             self.live_counts[0:1], self.live_counts[1:2]],
-            [input_ids, positions, query_start_loc, seq_lens, idx_mapping, num_rejected, temperature, seeds,
-             last_sampled, self._counts_table[num_reqs: num_reqs + 1],
-             self._counts_table[num_tokens: num_tokens + 1]],
-        )
+        torch._foreach_copy_(copy.buffers, [input_ids, positions, query_start_loc, seq_lens, idx_mapping,
+                                            num_rejected, temperature, seeds, last_sampled, *copy.live_counts])
         if self.manual_graphs:
-            self._replay(batch, tokens)
+            self._replay(copy.batch, copy.tokens)
         else:
-            self._step(batch, tokens)
+            self._step(copy.batch, copy.tokens)
         probs = self.draft_probs[:num_reqs] if self.with_probs else None
         return self.draft_tokens[:num_reqs], probs
+
+    def _round_copy(self, num_reqs: int, num_tokens: int, num_last_sampled: int) -> _RoundCopy:
+        """The padded sizes and copy views of a round of these sizes, made on their first round.
+
+        Making the dozen views of a round costs host time on the way to the copy's and the graph's launches
+        (benchmarks/RESULTS.md times it), so they are kept per sizes; they never leave the proposer.
+        """
+        key = (num_reqs, num_tokens, num_last_sampled)
+        copy = self._round_copies.get(key)
+        if copy is not None:
+            return copy
+        batch, tokens = self.padded_sizes(num_reqs, num_tokens)
+        if num_last_sampled > self.num_slots:
+            raise ValueError(f"DraftProposer.propose: last_sampled has {num_last_sampled} entries, "
+                             f"more than num_slots = {self.num_slots}")
+        if len(self._round_copies) >= MAX_CACHED_ROUND_SIZES:
+            self._round_copies.clear()
+        copy = _RoundCopy(
+            batch, tokens,
+            [self.input_ids[:num_tokens], self.positions[:num_tokens], self.query_start_loc[: num_reqs + 1],
+             self.seq_lens[:num_reqs], self.idx_mapping[:num_reqs], self.num_rejected[:num_reqs],
+             self.temperature[:num_reqs], self.seeds[:num_reqs], self.last_sampled[:num_last_sampled],
+             self.live_counts[0:1], self.live_counts[1:2]],
+            [self._counts_table[num_reqs: num_reqs + 1], self._counts_table[num_tokens: num_tokens + 1]],
+        )
+        self._round_copies[key] = copy
+        return copy
 
     def _replay(self, batch: int, tokens: int) -> None:
         graph = self.graphs.get((batch, tokens))

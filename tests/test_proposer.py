@@ -125,6 +125,23 @@ def test_sampled_drafts_follow_the_model_and_are_deterministic(model, eager, com
     assert not torch.equal(reseeded[random_rows], tokens[random_rows])
 
 
+def test_round_copies_are_kept_per_size_and_bounded(model, monkeypatch):
+    # propose() keeps its copy views per round size; with room for two sizes, rounds of many sizes (repeats
+    # included) must still draft what the cache-free reference drafts.
+    monkeypatch.setattr(specdec_ops.proposer, "MAX_CACHED_ROUND_SIZES", 2)
+    proposer = DraftProposer(model, PROPOSER_CONFIG, device="cpu", compile=False)
+    sim = SyntheticTarget([proposer], seed=3, vocab_size=MODEL_CONFIG.vocab_size)
+    sizes = []
+    for round_index in range(12):
+        batch = sim.next_batch()
+        sizes.append((len(sim.batch_slots), batch["input_ids"].shape[0]))
+        drafts, _ = proposer.propose(**batch)
+        assert drafts.tolist() == expected_drafts(model, sim), f"round {round_index}"
+        assert len(proposer._round_copies) <= 2
+        sim.verify(drafts.tolist())
+    assert len(set(sizes)) > 2 and len(set(sizes)) < len(sizes), "test setup: want new sizes and repeated ones"
+
+
 # --- inputs the proposer rejects --------------------------------------------------------
 
 
