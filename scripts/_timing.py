@@ -28,30 +28,62 @@ def eager_us(fn, iters: int, warmup: int = 10, warmup_s: float = 0.3) -> float:
     return statistics.median(samples)
 
 
-def graph_us(fn, replays: int) -> float:
-    """GPU microseconds per call: one CUDA graph of CALLS_PER_GRAPH calls, median over replays."""
+# Cycles of the spin kernel queued before a timed replay: about 100 us at the H200's 1980 MHz, longer than the
+# host takes to submit a graph of CALLS_PER_GRAPH calls.
+_SUBMIT_COVER_CYCLES = 200_000
+
+
+def capture_graph(fn, calls: int = CALLS_PER_GRAPH) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` calls of fn, warmed up (kernels compiled) outside the capture and replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles kernels) outside the capture
+    with torch.cuda.stream(stream):
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
+        for _ in range(calls):
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
+    return graph
+
+
+def replay_us(graph: torch.cuda.CUDAGraph, cover_submission: bool = True) -> float:
+    """GPU microseconds of one replay, between CUDA events recorded around it.
+
+    With cover_submission, a spin kernel runs first, so the GPU is still busy when the host has submitted the
+    replay, and the begin event is not stamped while the GPU waits for the host: the time is GPU time only.
+    Without it (the timing of the runs before U1 in benchmarks/RESULTS.md), the span also holds the host's
+    submission of the graph.
+    """
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if cover_submission:
+        torch.cuda._sleep(_SUBMIT_COVER_CYCLES)
+    begin.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) * 1e3
+
+
+def graph_us(fn, replays: int, cover_submission: bool = True) -> float:
+    """GPU microseconds per call: one CUDA graph of CALLS_PER_GRAPH calls, median over replays (see replay_us)."""
+    graph = capture_graph(fn)
+    samples = [replay_us(graph, cover_submission) / CALLS_PER_GRAPH for _ in range(replays)]
     del graph
     return statistics.median(samples)
+
+
+def graph_slope_us(fn, replays: int, calls: int = 3 * CALLS_PER_GRAPH) -> float:
+    """GPU microseconds per call from the difference between a graph of `calls` calls and one of CALLS_PER_GRAPH:
+    what each further call adds, with the fixed cost of starting a replay cancelled out (medians over replays)."""
+    short, long = capture_graph(fn), capture_graph(fn, calls)
+    short_us = statistics.median([replay_us(short) for _ in range(replays)])
+    long_us = statistics.median([replay_us(long) for _ in range(replays)])
+    del short, long
+    return (long_us - short_us) / (calls - CALLS_PER_GRAPH)
 
 
 def median_ms(fn, iters: int, warmup: int) -> float:

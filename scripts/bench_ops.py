@@ -3,7 +3,8 @@
 For num_reqs (or B) in 1, 8, 64, 256, 1024 with k = 4, reports per call:
 - eager: host wall time of a Python loop of calls (dispatch + launch included), after a sync, both for the
   library's wrapper (its eager entry, csrc/eager_entry.cpp) and for the torch.ops call of the op;
-- graph: GPU time from replaying a CUDA graph that holds 100 calls, timed with CUDA events;
+- graph: GPU time from replaying a CUDA graph that holds 100 calls, timed with CUDA events (a spin kernel queued
+  first keeps the host's submission of the graph out of the span: scripts/_timing.py);
 for each op and for a plain-PyTorch formulation of it (vectorized torch ops, no custom kernel).
 A second table times prepare_prefill (graph only) on batches with k = 8 or with whole prompts. A third
 gives this host's floor at each size (graph only): an empty kernel on each op's grid, and on the same grid
@@ -11,7 +12,9 @@ the chains of dependent memory accesses each op's contract cannot avoid. For pre
 through idx_mapping (the correction token's two dependent loads, then a store), and the request chain,
 every per-request access (five loads indexed by the request, the three loads they address, three stores);
 for create_output one load and a store per row. x.add_(1), timed eager before and after the tables, gauges
-the host's speed.
+the host's speed. A last table checks the graph timing on the two ops' kernels: the same figure with the host's
+submission of the graph inside the span (the timing of the runs before U1 in benchmarks/RESULTS.md), and the
+slope between graphs of 100 and 300 calls, from which the fixed cost of starting a replay cancels out.
 
     python scripts/bench_ops.py [--quick]
 """
@@ -23,7 +26,7 @@ import triton
 import triton.language as tl
 
 import specdec_ops
-from _timing import eager_us, graph_us  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from _timing import eager_us, graph_slope_us, graph_us  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 # The ops' launch geometry (csrc/triton_launch.h), so the floor kernels run on the same grids. The floor kernels
 # let Triton specialize on their sizes and alignment (the ops' kernels do not), so if anything they are faster.
@@ -224,6 +227,18 @@ def main():
     print("|---:|---:|---:|---:|---:|---:|")
     for num_reqs in sizes:
         print(f"| {num_reqs} | " + " | ".join(f"{us:.2f}" for us in floor_rows(num_reqs, k, device, replays)) + " |")
+    print("\nGraph timing check (us per call, three decimals): as in the tables above; with the host's submission "
+          "of the graph inside the span; and the slope between graphs of 100 and 300 calls.\n")
+    print("| op | num_reqs / B | graph us | submission included | slope 100 to 300 calls |")
+    print("|---|---:|---:|---:|---:|")
+    for num_reqs in sizes:
+        batch = list(make_prefill_batch(num_reqs, k, device).values())
+        verified = make_verified(num_reqs, k, device)
+        counters = torch.zeros(3, dtype=torch.int64, device=device)
+        for name, kernel in [("prepare_prefill", lambda: specdec_ops.prepare_prefill(*batch)),
+                             ("create_output", lambda: specdec_ops.create_output(*verified, counters=counters))]:
+            print(f"| {name} | {num_reqs} | {graph_us(kernel, replays):.3f} | "
+                  f"{graph_us(kernel, replays, cover_submission=False):.3f} | {graph_slope_us(kernel, replays):.3f} |")
     return 0
 
 
