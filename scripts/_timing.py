@@ -28,8 +28,9 @@ def eager_us(fn, iters: int, warmup: int = 10, warmup_s: float = 0.3) -> float:
     return statistics.median(samples)
 
 
-# Cycles of the spin kernel queued before a timed replay: about 100 us at the H200's 1980 MHz, longer than the
-# host takes to submit a graph of CALLS_PER_GRAPH calls.
+# Cycles of the spin kernel (torch.cuda._sleep, a private torch API) queued before a timed replay: about 100 us at
+# the H200's 1980 MHz, meant to outlast the host's submission of the graph. Should the host take longer, part of the
+# submission stays in the span: the figure then errs high, never low.
 _SUBMIT_COVER_CYCLES = 200_000
 
 
@@ -69,7 +70,8 @@ def replay_us(graph: torch.cuda.CUDAGraph, cover_submission: bool = True) -> flo
 
 
 def graph_us(fn, replays: int, cover_submission: bool = True) -> float:
-    """GPU microseconds per call: one CUDA graph of CALLS_PER_GRAPH calls, median over replays (see replay_us)."""
+    """Microseconds per call of one CUDA graph of CALLS_PER_GRAPH calls, median over replays: GPU time, or with
+    cover_submission=False GPU time plus the host's submission of the graph (see replay_us)."""
     graph = capture_graph(fn)
     samples = [replay_us(graph, cover_submission) / CALLS_PER_GRAPH for _ in range(replays)]
     del graph
@@ -78,7 +80,8 @@ def graph_us(fn, replays: int, cover_submission: bool = True) -> float:
 
 def graph_slope_us(fn, replays: int, calls: int = 3 * CALLS_PER_GRAPH) -> float:
     """GPU microseconds per call from the difference between a graph of `calls` calls and one of CALLS_PER_GRAPH:
-    what each further call adds, with the fixed cost of starting a replay cancelled out (medians over replays)."""
+    what each further call adds, with the cost of starting a replay cancelled out (medians over replays)."""
+    assert calls > CALLS_PER_GRAPH, "the second graph must hold more calls than the first"
     short, long = capture_graph(fn), capture_graph(fn, calls)
     short_us = statistics.median([replay_us(short) for _ in range(replays)])
     long_us = statistics.median([replay_us(long) for _ in range(replays)])

@@ -227,8 +227,9 @@ def main():
     print("|---:|---:|---:|---:|---:|---:|")
     for num_reqs in sizes:
         print(f"| {num_reqs} | " + " | ".join(f"{us:.2f}" for us in floor_rows(num_reqs, k, device, replays)) + " |")
-    print("\nGraph timing check (us per call, three decimals): as in the tables above; with the host's submission "
-          "of the graph inside the span; and the slope between graphs of 100 and 300 calls.\n")
+    print("\nGraph timing check (us per call, three decimals, on graphs captured afresh): timed as in the tables "
+          "above; with the host's submission of the graph inside the span; and the slope between graphs of 100 and "
+          "300 calls.\n")
     print("| op | num_reqs / B | graph us | submission included | slope 100 to 300 calls |")
     print("|---|---:|---:|---:|---:|")
     for num_reqs in sizes:
