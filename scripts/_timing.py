@@ -55,7 +55,8 @@ def replay_us(graph: torch.cuda.CUDAGraph, cover_submission: bool = True) -> flo
     """GPU microseconds of one replay, between CUDA events recorded around it.
 
     With cover_submission, a spin kernel runs first, so the GPU is still busy when the host has submitted the
-    replay, and the begin event is not stamped while the GPU waits for the host: the time is GPU time only.
+    replay, and the begin event is not stamped while the GPU waits for the host: the time is GPU time only (NVBench's
+    blocking kernel serves the same end).
     Without it (the timing of the runs before U1 in benchmarks/RESULTS.md), the span also holds the host's
     submission of the graph.
     """
