@@ -1,6 +1,6 @@
 """Per-propose latency of DraftProposer on the H200: eager vs compiled + one CUDA-graph replay.
 
-Draft model: 4 layers, hidden 1024, 16 heads (4 KV heads), vocab 32000, bf16 (specdec_ops.model.BENCH_CONFIG);
+Draft model: 4 layers, hidden 1024, 16 heads (4 KV heads), vocab 32000, bf16 (specdec_ops.models.BENCH_CONFIG);
 k = 4 drafts per request; every request has 512 tokens of context and a steady-state query
 [correction, d_1..d_k] with a random number of rejections; drafts are sampled at temperature 0.8 with their
 probabilities written (what the rejection sampler needs).
@@ -20,7 +20,7 @@ Why the share is an over-estimate of the time outside the model forwards: the nu
 step function, so its graph holds every op of the proposer itself (input copies, padding, prepare_prefill,
 block-table lookups and slot mappings, advance_draft_step, sample_draft with probabilities, draft writes) and
 its launch gaps, with the model's forwards and logits replaced by the stub's own kernels. The stub reads every
-field it is given (ids, positions, slot_mapping, context_slots, seq_lens), so the compiler cannot drop any of
+field it is given (ids, positions, slot_mapping, block_tables, token_rows, seq_lens), so the compiler cannot drop any of
 the proposer's work as dead code, and its kernels (per forward one small fused integer reduction over
 context_slots, per step one [n, V] gather for the logits) add time on top. The one caveat is fusion: inductor
 may fuse the proposer's small pointwise ops into different neighbours in the two graphs.
@@ -39,8 +39,10 @@ import torch
 from torch import nn
 
 from _timing import median_ms  # noqa: E402  (scripts/ is on sys.path when run as a script)
-from specdec_ops.model import BENCH_CONFIG, DraftModel
-from specdec_ops.proposer import AttentionMetadata, BlockPool, DraftProposer, KVCacheSpec, ProposerConfig
+from specdec_ops.models import BENCH_CONFIG, DraftModel
+from specdec_ops.models import AttentionMetadata, KVCacheSpec
+from specdec_ops.models.interface import context_slots
+from specdec_ops.runtime import BlockPool, DraftProposer, ProposerConfig
 
 K = 4
 CONTEXT = 512
@@ -50,7 +52,7 @@ BLOCK_SIZE = 16
 class NullDraftModel(nn.Module):
     """A draft model that does almost no work: the benchmark's stand-in for "no model".
 
-    It follows the proposer's model interface (specdec_ops/proposer.py) with a given KV-cache spec (the
+    It follows the model interface (specdec_ops/models/interface.py) with a given KV-cache spec (the
     proposer allocates the same caches as for the real model; the stub never touches them). Each token's
     hidden state [T, 1] is a row number in [0, rows), a mix of all its inputs, so that every input the
     proposer computes is used; the logits of a row are row `row` of a fixed random [rows, V] table.
@@ -71,7 +73,7 @@ class NullDraftModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        context = attn_metadata.context_slots.amax(dim=1)  # reads all of [T, C]
+        context = context_slots(attn_metadata).amax(dim=1)  # reads every block-table entry of each token's row
         mix = input_ids.long() + positions + attn_metadata.slot_mapping + attn_metadata.seq_lens + context
         return (mix % self.rows).to(self.spec.dtype)[:, None]  # remainder: in [0, rows) for any id
 

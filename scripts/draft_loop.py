@@ -1,6 +1,6 @@
 """Runs propose rounds of the reference draft model with synthetic target batches, eager and compiled.
 
-Each round a `SyntheticTarget` (specdec_ops.model) makes a target batch: requests join with short or long
+Each round a `SyntheticTarget` (tests/support.py) makes a target batch: requests join with short or long
 prompts and leave, the target accepts a random number of the previous drafts and samples a correction token.
 Two `DraftProposer`s run every round on the same batch: an eager one and a torch.compile(fullgraph=True) one
 (replayed as one CUDA graph per call on a GPU). The script prints per-round latency of both, whether their
@@ -13,13 +13,18 @@ the first requests.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 import dataclasses
 import time
 
 import torch
 
-from specdec_ops.model import BENCH_CONFIG, TINY_CONFIG, DraftModel, SyntheticTarget, greedy_reference
-from specdec_ops.proposer import DraftProposer, ProposerConfig
+from specdec_ops.models import BENCH_CONFIG, TINY_CONFIG, DraftModel
+from specdec_ops.runtime import DraftProposer, ProposerConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support import SyntheticTarget, greedy_reference  # noqa: E402  (the synthetic target of the tests)
 
 
 def parse_args():

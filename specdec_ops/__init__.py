@@ -8,7 +8,7 @@ op's contract is documented in its own module.
 from . import _library  # noqa: F401  (loads the C++ extension first)
 from .draft_step import advance_draft_step, advance_draft_step_reference
 from .output import create_output, create_output_reference
-from .proposer import BlockPool, DraftProposer, ProposerConfig
+from .runtime import BlockPool, DraftProposer, ProposerConfig
 from .prefill import PrefillInputs, prepare_prefill, prepare_prefill_into, prepare_prefill_reference
 from .sampling import rejection_sample, rejection_sample_reference, sample_draft, sample_draft_reference
 from .verify import greedy_verify, greedy_verify_reference, typical_acceptance, typical_acceptance_reference

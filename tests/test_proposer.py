@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops.model import DraftModel, DraftModelConfig, SyntheticTarget, greedy_reference
-from specdec_ops.proposer import AttentionMetadata, BlockPool, DraftProposer, KVCacheSpec, ProposerConfig
+from specdec_ops.models import DraftModel, DraftModelConfig
+from support import SyntheticTarget, greedy_reference
+from specdec_ops.models import AttentionMetadata, KVCacheSpec
+from specdec_ops.runtime import BlockPool, DraftProposer, ProposerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from bench_propose import NullDraftModel  # noqa: E402  (the benchmark's stand-in model)
@@ -128,7 +130,7 @@ def test_sampled_drafts_follow_the_model_and_are_deterministic(model, eager, com
 def test_round_copies_are_kept_per_size_and_bounded(model, monkeypatch):
     # propose() keeps its copy views per round size; with room for two sizes, rounds of many sizes must still
     # draft what the cache-free reference drafts, and a repeated round must reuse its size's entry.
-    monkeypatch.setattr(specdec_ops.proposer, "MAX_CACHED_ROUND_SIZES", 2)
+    monkeypatch.setattr(specdec_ops.runtime.proposer, "MAX_CACHED_ROUND_SIZES", 2)
     proposer = DraftProposer(model, PROPOSER_CONFIG, device="cpu", compile=False)
     sim = SyntheticTarget([proposer], seed=3, vocab_size=MODEL_CONFIG.vocab_size)
     sizes = []
@@ -216,9 +218,8 @@ def test_model_paged_attention_matches_dense_on_one_sequence(model):
     block_size, blocks = 4, torch.tensor([7, 2, 5, 9, 1, 3])
     kv_caches = tuple(torch.zeros(10 * block_size, 2, 2, 16, dtype=torch.float64) for _ in range(2))
     slot_mapping = blocks[positions // block_size] * block_size + positions % block_size
-    context_slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
-    metadata = specdec_ops.proposer.AttentionMetadata(kv_caches, slot_mapping, context_slots.expand(21, -1),
-                                                      torch.full((21,), 21))
+    metadata = AttentionMetadata(kv_caches, slot_mapping, blocks[None], torch.zeros(21, dtype=torch.long),
+                                 torch.full((21,), 21), block_size)
     paged = model(tokens, positions, metadata)
     dense = model(tokens, positions, None)
     torch.testing.assert_close(paged, dense, atol=1e-12, rtol=0)
@@ -239,19 +240,23 @@ def test_null_model_reads_every_input():
     inputs = dict(input_ids=torch.randint(0, 512, (t,), generator=gen, dtype=torch.int32),
                   positions=torch.randint(0, 64, (t,), generator=gen),
                   slot_mapping=torch.randint(0, 1000, (t,), generator=gen),
-                  context_slots=torch.randint(0, 1000, (t, c), generator=gen),
+                  block_tables=torch.randint(0, 1000, (3, c), generator=gen),
+                  token_rows=torch.randint(0, 3, (t,), generator=gen),
                   seq_lens=torch.randint(1, 64, (t,), generator=gen, dtype=torch.int32))
 
     def hidden(values):
-        metadata = AttentionMetadata((), values["slot_mapping"], values["context_slots"], values["seq_lens"])
+        metadata = AttentionMetadata((), values["slot_mapping"], values["block_tables"], values["token_rows"],
+                                     values["seq_lens"], 4)
         return null(values["input_ids"], values["positions"], metadata)
 
     base = hidden(inputs)
     assert base.shape == (t, 1) and base.dtype == torch.float32
     for name, value in inputs.items():
         bumped = value.clone()
-        if name == "context_slots":
-            bumped[torch.arange(t), value.argmax(1)] += 1  # raise each row's maximum
+        if name == "block_tables":
+            bumped[torch.arange(3), value.argmax(1)] += 1  # raise each row's maximum
+        elif name == "token_rows":
+            bumped = (value + 1) % 3  # every token to another row
         else:
             bumped += 1
         assert not torch.equal(hidden({**inputs, name: bumped}), base), f"the null model ignores {name}"

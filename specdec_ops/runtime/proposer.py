@@ -52,23 +52,7 @@ on CUDA, one captured CUDA graph replayed per call (``cuda_graphs=True``, the
 default there), or a torch.compile(mode="reduce-overhead") graph
 (``cuda_graphs="reduce-overhead"``).
 
-Draft-model interface (specdec_ops.model.DraftModel implements it; any
-nn.Module with these members works):
-
-- ``vocab_size: int``
-- ``kv_cache_spec() -> KVCacheSpec(num_layers, num_kv_heads, head_size, dtype)``
-- ``forward(input_ids [T] int32/int64, positions [T] int64, attn_metadata) ->
-  hidden [T, H]``. ``attn_metadata`` is an `AttentionMetadata`: layer i writes
-  each token's K and V to ``kv_caches[i][slot_mapping[t]]``, then token t
-  attends to its request's context: context position c is
-  ``kv_caches[i][context_slots[t, c]]``, visible for ``c <= positions[t]`` and
-  ``c < seq_lens[t]`` (C = blocks_per_req * block_size, static). Write with
-  ``index_put_`` straight into the cache tensor, not into a view of it:
-  inductor then updates it in place instead of copying it. Ids may be out of the
-  vocabulary on padded rows: clamp before the embedding lookup. It must
-  trace with torch.compile(fullgraph=True) and be CUDA-graph safe (static
-  shapes, no host sync).
-- ``compute_logits(hidden [n, H]) -> logits [n, V]``.
+The draft model follows the model interface of `specdec_ops.models.interface`.
 """
 from __future__ import annotations
 
@@ -77,29 +61,12 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .prefill import prepare_prefill
-from .draft_step import advance_draft_step
+from ..draft_step import advance_draft_step
+from ..models.interface import AttentionMetadata, KVCacheSpec  # noqa: F401  (KVCacheSpec re-exported)
+from ..prefill import prepare_prefill
+from .kv import NULL_BLOCK, BlockPool  # noqa: F401  (BlockPool re-exported)
 
 
-class KVCacheSpec(NamedTuple):
-    """What a draft model needs from its KV cache."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_size: int
-    dtype: torch.dtype
-
-
-class AttentionMetadata(NamedTuple):
-    """Per-token paged-attention inputs of one forward (see the module docstring)."""
-
-    kv_caches: tuple[torch.Tensor, ...]  # per layer [num_blocks * block_size, 2, num_kv_heads, head_size]
-    slot_mapping: torch.Tensor  # [T] int64, cache slot each token's K/V is written to
-    context_slots: torch.Tensor  # [T, C] int64, cache slot of each context position of the token's request
-    seq_lens: torch.Tensor  # [T], each token's request's sequence length
-
-
-NULL_BLOCK = 0
 # Round sizes whose copy views a proposer keeps (see DraftProposer._round_copy); past this many, it starts over.
 MAX_CACHED_ROUND_SIZES = 128
 
@@ -149,26 +116,6 @@ def _pick(sizes: list[int], n: int, what: str) -> int:
         if size >= n:
             return size
     raise ValueError(f"DraftProposer.propose: {what} = {n} exceeds the largest padded size {sizes[-1]}")
-
-
-class BlockPool:
-    """A free list of KV-cache block ids; block 0 (the null block) is never handed out."""
-
-    def __init__(self, num_blocks: int, seed: int | None = None):
-        self.free = list(range(1, num_blocks))
-        if seed is not None:  # hand blocks out in a shuffled order, as a long-running engine would
-            import random
-
-            random.Random(seed).shuffle(self.free)
-
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self.free):
-            raise ValueError(f"BlockPool: {count} blocks requested, {len(self.free)} free")
-        blocks, self.free = self.free[:count], self.free[count:]
-        return blocks
-
-    def release(self, blocks: Sequence[int]) -> None:
-        self.free.extend(blocks)
 
 
 class _RoundCopy(NamedTuple):
@@ -374,11 +321,6 @@ class DraftProposer:
         # Clamped so that no block-table value can index outside the cache.
         return self.block_tables.clamp(0, self.num_blocks - 1).long()
 
-    def _context_slots(self, blocks: torch.Tensor) -> torch.Tensor:
-        """Cache slot of every context position [rows, C], from block-table rows [rows, blocks_per_req]."""
-        offsets = torch.arange(self.block_size, device=blocks.device)
-        return (blocks[:, :, None] * self.block_size + offsets).flatten(1)
-
     def _slot_mapping(self, blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache slot of each token, from its request's block row and its position."""
         position = positions.clamp(0, self.max_model_len - 1)
@@ -398,11 +340,12 @@ class DraftProposer:
         token_req = torch.searchsorted(expanded.expanded_query_start_loc, token, right=True) - 1
         token_req = token_req.clamp(0, batch - 1)
         token_live = token < qsl[batch] + batch
-        blocks = self._block_tables()[idx_mapping.long()[token_req]]
-        slot_mapping = self._slot_mapping(blocks, expanded.expanded_positions)
+        block_rows = self._block_tables()[idx_mapping.long()]
+        token_req = token_req.long()
+        slot_mapping = self._slot_mapping(block_rows[token_req], expanded.expanded_positions)
         slot_mapping = torch.where(token_live, slot_mapping, NULL_BLOCK * self.block_size)
-        metadata = AttentionMetadata(self.kv_caches, slot_mapping, self._context_slots(blocks),
-                                     expanded.expanded_seq_lens[token_req])
+        metadata = AttentionMetadata(self.kv_caches, slot_mapping, block_rows, token_req,
+                                     expanded.expanded_seq_lens[token_req], self.block_size)
         return (expanded.expanded_input_ids, expanded.expanded_positions, metadata,
                 expanded.last_token_indices, inputs)
 
@@ -427,11 +370,11 @@ class DraftProposer:
 
             seq_lens = torch.clamp(seq_lens - num_rejected + 1, max=self.max_model_len)
             blocks = self._block_tables()[idx_mapping.long()]
-            context_slots = self._context_slots(blocks)
+            rows = torch.arange(batch, device=self.device)
             for step in range(1, self.k):
                 input_ids, positions, seq_lens = advance_draft_step(sampled, positions, seq_lens,
                                                                     self.max_model_len)
-                metadata = AttentionMetadata(self.kv_caches, self._slot_mapping(blocks, positions), context_slots,
-                                             seq_lens)
+                metadata = AttentionMetadata(self.kv_caches, self._slot_mapping(blocks, positions), blocks, rows,
+                                             seq_lens, self.block_size, uniform_query_len=1)
                 hidden = self.model(input_ids, positions, metadata)
                 sampled = self._sample(self.model.compute_logits(hidden), temperature, seeds, positions, step, batch)

@@ -2,20 +2,20 @@
 
 RMSNorm, rotary embeddings (NeoX layout), grouped-query attention and a
 SwiGLU MLP, in plain PyTorch, with random seeded weights. It follows the
-proposer's model interface (see specdec_ops/proposer.py): ``vocab_size``,
+model interface of specdec_ops/models/interface.py: ``vocab_size``,
 ``kv_cache_spec()``, ``forward(input_ids, positions, attn_metadata)`` and
 ``compute_logits(hidden)``.
 
 Attention over the paged cache works for the varlen step-0 batch and the
 one-token decode steps alike, with static shapes only: each layer first
 writes every token's K and V at its slot, then gathers each token's request
-context through its block-table row (``context_slots``) up to a static length
+context through its block-table row (`interface.context_slots`) up to a static length
 (blocks_per_req * block_size) and masks context positions ``c > position`` or ``c >=
 seq_len``. Masked scores use the dtype's most negative finite value, not
 -inf, so padding rows whose whole context is masked stay finite (a NaN
 written to the null block could otherwise leak into live requests through
 0 * NaN). With ``attn_metadata=None`` the model runs dense causal attention
-over one whole sequence and keeps no cache: `greedy_reference` uses that as
+over one whole sequence and keeps no cache: the tests' `greedy_reference` uses that as
 the naive, cache-free statement of what greedy drafting must produce.
 
 Cost: the gather materializes [T, C] context rows per layer, so the varlen
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .proposer import AttentionMetadata, KVCacheSpec
+from .interface import AttentionMetadata, KVCacheSpec, context_slots
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class Attention(nn.Module):
         # Into the cache tensor itself (not a view), so that compiled code updates it in place.
         cache.index_put_((metadata.slot_mapping,), torch.stack((k, v), dim=1).to(cache.dtype))
         # Each token's request context, through its block-table row: [T, C, 2, kv_heads, d].
-        context = cache[metadata.context_slots]
+        context = cache[context_slots(metadata)]
         c = torch.arange(context.shape[1], device=q.device)
         visible = (c[None, :] <= positions[:, None]) & (c[None, :] < metadata.seq_lens[:, None])
         return self._attend(q, context[:, :, 0].to(q.dtype), context[:, :, 1].to(q.dtype), visible)
@@ -194,152 +194,3 @@ class DraftModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-
-@torch.no_grad()
-def greedy_reference(model: nn.Module, token_ids: list[int], num_tokens: int) -> list[int]:
-    """Greedy continuation of one whole sequence, re-running the model from scratch for every token."""
-    device = next(model.parameters()).device
-    sequence, drafts = list(token_ids), []
-    for _ in range(num_tokens):
-        ids = torch.tensor(sequence, device=device)
-        hidden = model(ids, torch.arange(len(sequence), device=device), None)
-        # Argmax of the float32 logits, first index on ties: what sample_draft does for greedy rows.
-        token = int(model.compute_logits(hidden[-1:]).float().argmax(-1))
-        drafts.append(token)
-        sequence.append(token)
-    return drafts
-
-
-# --- a synthetic target model's side of the rounds (tests and demos) ---------------------------
-
-
-class SyntheticTarget:
-    """Plays the target model and the scheduler around a `DraftProposer`, with random decisions.
-
-    A request's first round has its prompt as query, no rejections, and the
-    target's first sampled token as ``last_sampled``. After each round the
-    target "accepts" a random a in [0, k] of the k drafts and samples a random
-    new token: the request's true sequence grows by d_1..d_a and that token,
-    and its next query is [previous correction token, d_1..d_k] starting at the
-    correction token's position, with ``num_rejected = k - a``. Requests join
-    (short or long prompts) and leave at random, skip rounds, take a free
-    request slot (slots are reused), and get KV blocks from a shuffled
-    `BlockPool` as their sequences grow; some batches carry padding tokens past
-    ``query_start_loc[n]``. ``true_sequence(slot)`` is what greedy drafting must
-    continue (`greedy_reference`).
-    """
-
-    def __init__(self, proposers, *, seed: int, vocab_size: int, max_prompt_len: int = 8,
-                 long_prompt_len: int = 40, leave_prob: float = 0.15, skip_prob: float = 0.1,
-                 extra_tokens_prob: float = 0.2):
-        import random
-
-        from .proposer import BlockPool
-
-        self.proposers = list(proposers)
-        first = self.proposers[0]
-        self.k, self.block_size = first.k, first.block_size
-        self.max_num_reqs, self.max_num_tokens = first.config.max_num_reqs, first.config.max_num_tokens
-        self.max_model_len, self.num_slots = first.max_model_len, first.num_slots
-        self.rng = random.Random(seed)
-        self.pool = BlockPool(first.num_blocks, seed=seed)
-        self.vocab_size = vocab_size
-        self.max_prompt_len, self.long_prompt_len = max_prompt_len, long_prompt_len
-        self.leave_prob, self.skip_prob, self.extra_tokens_prob = leave_prob, skip_prob, extra_tokens_prob
-        self.requests: dict[int, dict] = {}  # slot -> state
-        self.num_joined = 0
-        self.allocated: set[int] = set()  # every block ever handed out
-        self.last_sampled = [0] * self.num_slots
-        self.batch_slots: list[int] = []
-
-    def true_sequence(self, slot: int) -> list[int]:
-        return self.requests[slot]["true"]
-
-    def _token(self) -> int:
-        return self.rng.randrange(self.vocab_size)
-
-    def _leave(self, slot: int) -> None:
-        self.pool.release(self.requests.pop(slot)["blocks"])
-
-    def _join(self, slot: int, tokens_left: int) -> None:
-        long = self.rng.random() < 0.25
-        length = self.rng.randint(1, self.long_prompt_len if long else self.max_prompt_len)
-        prompt = [self._token() for _ in range(min(length, tokens_left))]
-        first = self._token()
-        self.requests[slot] = dict(true=prompt + [first], query=prompt, start=0, num_rejected=0, blocks=[])
-        self.num_joined += 1
-        self.last_sampled[slot] = first
-
-    def _grow_blocks(self, slot: int) -> None:
-        # Cover every position this round writes: the expanded query and k - 1 decode steps.
-        req = self.requests[slot]
-        needed = -(-(req["start"] + len(req["query"]) + self.k) // self.block_size)
-        if needed > len(req["blocks"]):
-            new = self.pool.allocate(needed - len(req["blocks"]))
-            self.allocated.update(new)
-            req["blocks"] += new
-            for proposer in self.proposers:
-                proposer.assign_blocks(slot, req["blocks"])
-
-    def next_batch(self, *, temperature: float = 0.0, device="cpu", ids_dtype=torch.int32, seed_base: int = 0) -> dict:
-        """The next round's propose() arguments (every row at `temperature`); batch row order is random."""
-        rng, k = self.rng, self.k
-        for slot in list(self.requests):
-            too_long = len(self.true_sequence(slot)) + 2 * k + 3 > self.max_model_len
-            if too_long or rng.random() < self.leave_prob:
-                self._leave(slot)
-        free = [s for s in range(self.num_slots) if s not in self.requests]
-        rng.shuffle(free)
-        budget = self.max_num_tokens - 4  # room for padding tokens past the last request
-        for slot in free[: rng.randint(0, len(free))]:
-            tokens_left = budget - sum(len(r["query"]) for r in self.requests.values())
-            if tokens_left > 0 and len(self.requests) < self.max_num_reqs:
-                self._join(slot, tokens_left)
-        slots = [s for s in self.requests if rng.random() >= self.skip_prob] or list(self.requests)[:1]
-        rng.shuffle(slots)
-        batch, used = [], 0
-        for slot in slots:
-            query_len = len(self.requests[slot]["query"])
-            if len(batch) < self.max_num_reqs and used + query_len <= budget:
-                batch.append(slot)
-                used += query_len
-        self.batch_slots = batch
-        input_ids, positions, qsl, seq_lens, num_rejected = [], [], [0], [], []
-        for slot in batch:
-            self._grow_blocks(slot)
-            req = self.requests[slot]
-            input_ids += req["query"]
-            positions += range(req["start"], req["start"] + len(req["query"]))
-            qsl.append(len(input_ids))
-            seq_lens.append(req["start"] + len(req["query"]))
-            num_rejected.append(req["num_rejected"])
-        if rng.random() < self.extra_tokens_prob:  # padding tokens past query_start_loc[n]
-            extra = rng.randint(1, 4)
-            input_ids += [self._token() for _ in range(extra)]
-            positions += [rng.randrange(self.max_model_len) for _ in range(extra)]
-        n = len(batch)
-
-        def t(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        return dict(
-            input_ids=t(input_ids, ids_dtype), positions=t(positions, torch.int64), query_start_loc=t(qsl, torch.int32),
-            seq_lens=t(seq_lens, torch.int32), idx_mapping=t(batch, torch.int32),
-            num_rejected=t(num_rejected, torch.int32), last_sampled=t(self.last_sampled, torch.int64),
-            temperature=t([temperature] * n, torch.float32),
-            seeds=t([seed_base + s for s in batch], torch.int64),
-        )
-
-    def verify(self, drafts: list[list[int]]) -> None:
-        """The target's decision on this round's drafts (one list per batch row)."""
-        k = self.k
-        for slot, draft in zip(self.batch_slots, drafts):
-            req = self.requests[slot]
-            accepted = self.rng.randint(0, k)
-            new_token = self._token()
-            req["query"] = [req["true"][-1]] + list(draft)
-            req["start"] = len(req["true"]) - 1
-            req["num_rejected"] = k - accepted
-            req["true"] = req["true"] + list(draft[:accepted]) + [new_token]
-            self.last_sampled[slot] = new_token
