@@ -50,6 +50,9 @@ class SyntheticTarget:
         self.max_model_len, self.num_slots = first.max_model_len, first.num_slots
         self.rng = random.Random(seed)
         self.pool = BlockPool(first.num_blocks, seed=seed)
+        for proposer in self.proposers:  # a new simulation owns the proposers' block tables
+            for slot in range(proposer.num_slots):
+                proposer.release_slot(slot)
         self.vocab_size = vocab_size
         self.max_prompt_len, self.long_prompt_len = max_prompt_len, long_prompt_len
         self.leave_prob, self.skip_prob, self.extra_tokens_prob = leave_prob, skip_prob, extra_tokens_prob
@@ -66,7 +69,10 @@ class SyntheticTarget:
         return self.rng.randrange(self.vocab_size)
 
     def _leave(self, slot: int) -> None:
-        self.pool.release(self.requests.pop(slot)["blocks"])
+        blocks = self.requests.pop(slot)["blocks"]
+        for proposer in self.proposers:
+            assert proposer.release_slot(slot) == blocks
+        self.pool.release(blocks)
 
     def _join(self, slot: int, tokens_left: int) -> None:
         long = self.rng.random() < 0.25
@@ -82,7 +88,7 @@ class SyntheticTarget:
         req = self.requests[slot]
         needed = -(-(req["start"] + len(req["query"]) + self.k) // self.block_size)
         if needed > len(req["blocks"]):
-            new = self.pool.allocate(needed - len(req["blocks"]))
+            new = self.pool.allocate(needed - len(req["blocks"]), owner=slot)
             self.allocated.update(new)
             req["blocks"] += new
             for proposer in self.proposers:

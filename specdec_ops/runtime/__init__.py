@@ -1,5 +1,6 @@
-"""The runtime around the ops: KV-block bookkeeping and the draft proposer."""
-from .kv import NULL_BLOCK, BlockPool
+"""The runtime around the ops: KV-block bookkeeping, graph capture, the draft proposer and the generator."""
+from .graphs import StepGraphs
+from .kv import NULL_BLOCK, BlockPool, BlockTable
 from .proposer import DraftProposer, ProposerConfig
 
-__all__ = ["NULL_BLOCK", "BlockPool", "DraftProposer", "ProposerConfig"]
+__all__ = ["NULL_BLOCK", "BlockPool", "BlockTable", "StepGraphs", "DraftProposer", "ProposerConfig"]
