@@ -155,3 +155,20 @@ class SyntheticTarget:
             req["num_rejected"] = k - accepted
             req["true"] = req["true"] + list(draft[:accepted]) + [new_token]
             self.last_sampled[slot] = new_token
+
+
+def prefix_draft(target: nn.Module, num_layers: int) -> nn.Module:
+    """A `DraftModel` made of the target's embedding, first `num_layers` decoder layers, final norm and head
+    (shared modules, no copy): a cheap draft whose acceptance against its target is well above random."""
+    import dataclasses
+
+    from specdec_ops.models import DraftModel
+
+    config = dataclasses.replace(target.config, num_layers=num_layers)
+    draft = DraftModel(dataclasses.replace(config, vocab_size=8, hidden_size=config.hidden_size,
+                                           intermediate_size=8, dtype=config.dtype),
+                       device=next(target.parameters()).device)
+    draft.config, draft.vocab_size = config, config.vocab_size
+    draft.embed_tokens, draft.norm, draft.lm_head = target.embed_tokens, target.norm, target.lm_head
+    draft.layers = nn.ModuleList(list(target.layers[:num_layers]))
+    return draft

@@ -1,0 +1,749 @@
+"""`Generator`: speculative (or target-only) generation with continuous batching, one graph per round.
+
+A generator owns a target model, optionally a draft model (``draft=None`` is the target-only path through the
+same code), one `BlockPool` and one `BlockTable` that both models' paged caches share (same block size, same
+block ids: a request's block b holds its target KV and its draft KV at the same slots of two caches), and a
+fixed set of request slots. Row r of every round is slot r: a round at padded size B covers slots 0..B-1, and a
+device flag ``active[slot]`` says which rows are live, so requests joining and leaving change tensor contents
+only, never shapes (no recompilation, no re-recording).
+
+Prefill (host-driven, eager, outside the round graph): when a request takes a free slot it gets all the KV
+blocks it can ever need, the target runs its prompt through the target cache and samples the first token, and
+the draft runs the prompt minus its last token through the draft cache. The slot's device state is then set:
+its tokens, ``length`` (prompt + generated), ``cap`` (where it stops), ``last_token`` and the proposer's query
+for the first round: [last prompt token, k placeholders] at the last prompt position with all k "rejected", so
+the proposer's step 0 writes the last prompt token's draft KV, then the first token's, and drafts from there.
+
+A speculative round (`_round`, one torch.compile(fullgraph) graph and, on CUDA, one CUDA graph per B):
+
+1. propose (`DraftProposer.propose_step`, traced inline): the proposer's input buffers are filled from the
+   previous round's verified batch, per slot: query = [last token, d_1..d_k] of that round at its positions,
+   ``num_rejected = k - accepted``, ``last_sampled`` = the newest token; it writes draft KV and k new drafts
+   (and their probabilities for rejection sampling).
+2. target: one forward over [last token, d_1..d_k] of every row (uniform_query_len = k + 1) into the target
+   cache; float32 logits at all k + 1 positions.
+3. verify: ``greedy_verify`` on the logits, ``rejection_sample`` on softmax(logits / T) with the draft's
+   probabilities (greedy rows one-hot), or ``typical_acceptance`` on softmax(logits / T); all give the
+   create_output layout [B, k+1].
+4. bookkeeping on the device (`_commit`): emitted tokens (cut after an EOS and at the request's cap) are
+   appended to the slot's row of ``tokens``, ``length`` and ``last_token`` advance, the verified batch is kept
+   as the next round's proposer query, stop flags and reasons are set, acceptance counters accumulate.
+
+A target-only round (`_plain_round`) is step 2 with one token per row (uniform_query_len = 1), ``sample_draft``
+on the logits (argmax for temperature 0, a seeded draw otherwise), and step 4.
+
+The host (`generate`) launches ``read_every`` rounds, copies ``length``, ``stop_reason`` and ``tokens`` to
+pinned host memory with an event, launches the next group of rounds, and only then waits for the event of the
+previous group: it retires finished requests (their slots and blocks are freed), admits waiting ones into free
+slots, and reports progress, while the device runs ahead. No round reads anything on the host.
+
+Stopping and max_model_len. A round writes KV at positions up to ``length - 1 + k`` (target and draft alike), so
+a request's length is capped at ``min(prompt + max_new_tokens, max_model_len - k)``: it finishes ("length") before
+any position would reach max_model_len, and the ops' clamping of positions never applies. Both modes use the same
+cap, so they stop at the same token. A prompt longer than ``max_model_len - k - 1`` is refused.
+
+Randomness: every draw is a pure function of (the request's seed, a position, the op's purpose), so a request's
+tokens do not depend on the other requests in the batch or on when it was admitted.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from ..models.interface import AttentionMetadata
+from ..sampling import rejection_sample, sample_draft
+from ..verify import greedy_verify, typical_acceptance
+from .graphs import StepGraphs, check_graph_mode
+from .kv import BlockPool, BlockTable
+from .proposer import DraftProposer, ProposerConfig, resolve_device, slot_mapping
+
+METHODS = ("greedy", "rejection", "typical")
+# stop_reason codes on the device, and their names
+RUNNING, STOP_EOS, STOP_MAX_TOKENS, STOP_LENGTH = 0, 1, 2, 3
+STOP_NAMES = {STOP_EOS: "eos", STOP_MAX_TOKENS: "max_tokens", STOP_LENGTH: "length"}
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    """Static sizes and settings of a `Generator`.
+
+    num_speculative_tokens: k drafts per request and round (ignored by the target-only path, except for the
+        length cap, which both paths share).
+    method: "greedy" (greedy_verify; temperature must be 0), "rejection" (rejection_sample) or "typical"
+        (typical_acceptance, with posterior_threshold and posterior_alpha).
+    max_num_reqs: request slots (the largest batch).
+    max_model_len: the longest sequence (prompt + generated) the caches hold.
+    block_size: cache slots per KV block (both caches).
+    batch_sizes: padded batch sizes, one graph each (default: powers of two up to max_num_reqs, and it).
+    read_every: rounds between two reads of the device state by the host.
+    """
+
+    num_speculative_tokens: int = 4
+    method: str = "greedy"
+    max_num_reqs: int = 8
+    max_model_len: int = 512
+    block_size: int = 16
+    batch_sizes: Sequence[int] | None = None
+    read_every: int = 4
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    prompt_ids: the prompt's token ids (list of ints, or a 1-D integer tensor on the CPU or the generator's
+        device), at least one, each in [0, vocab_size).
+    max_new_tokens: tokens to generate at most (>= 1).
+    temperature: 0 for greedy, else sampling from softmax(logits / temperature) (finite, >= 0).
+    seed: the request's random stream (an int in [0, 2**63)).
+    eos_token_id: generation stops after this token (None: no EOS stop).
+    """
+
+    prompt_ids: Sequence[int] | torch.Tensor
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+    eos_token_id: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: its prompt, the generated ids (EOS included when it stopped there) and why it stopped
+    ("eos", "max_tokens" or "length": max_model_len)."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
+class GenerationMetrics:
+    """What one `Generator.generate` call measured.
+
+    generated_tokens: all requests' generated tokens. wall_s: the call's wall time (warm-up excluded);
+    prefill_s: host time spent in prefills; tokens_per_s = generated_tokens / wall_s. rounds: rounds run;
+    row_rounds: (live row, round) pairs; mean_emitted_per_round: tokens emitted per live row and round.
+    acceptance_per_position[i]: share of live row-rounds whose draft i + 1 was accepted (a prefix: draft i + 1
+    accepted implies drafts 1..i were); acceptance_rate: accepted / tested drafts, where a row-round tests its
+    drafts up to and including the first rejected one (the per-draft alpha of Leviathan et al.).
+    host_share: share of wall time in which no round ran on the device (CUDA: wall minus the CUDA-event time of
+    the round groups; CPU: wall minus the time inside the round calls). split_ms: per-round time of the draft,
+    target and verification parts when `Generator.measure_split` filled it.
+    """
+
+    speculative: bool
+    method: str
+    k: int
+    num_requests: int = 0
+    generated_tokens: int = 0
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    rounds: int = 0
+    row_rounds: int = 0
+    mean_emitted_per_round: float = 0.0
+    acceptance_per_position: list[float] = field(default_factory=list)
+    acceptance_rate: float | None = None
+    tokens_per_s: float = 0.0
+    host_share: float = 0.0
+    split_ms: dict[str, float] | None = None
+
+
+class GenerationOutput(NamedTuple):
+    requests: list[RequestOutput]  # in the order of the given requests
+    metrics: GenerationMetrics
+
+
+class _Prepared(NamedTuple):
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    seed: int
+    eos: int
+
+
+def _pick(sizes: list[int], n: int) -> int:
+    for size in sizes:
+        if size >= n:
+            return size
+    raise ValueError(f"Generator: {n} live slots exceed the largest padded batch size {sizes[-1]}")
+
+
+class Generator:
+    """Speculative generation of a target with a draft model (or target-only with ``draft=None``).
+
+    Args:
+        target: the target model (specdec_ops.models.interface).
+        draft: the draft model, or None for target-only generation. Its vocabulary must match the target's.
+        config: `GeneratorConfig`.
+        device: where the models, caches and graphs are.
+        compile: torch.compile each round (fullgraph, one graph per padded batch size).
+        cuda_graphs: True (default on CUDA): one captured CUDA graph per padded batch size; False: none.
+        progress: called as progress(message) for each padded size during `warm_up`.
+    """
+
+    def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, config: GeneratorConfig, *,
+                 device: torch.device | str, compile: bool = True, cuda_graphs: bool | None = None):
+        device = resolve_device(device)
+        k = config.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"Generator: num_speculative_tokens must be an int >= 1, got {k!r}")
+        if config.method not in METHODS:
+            raise ValueError(f"Generator: method must be one of {METHODS}, got {config.method!r}")
+        for name in ("max_num_reqs", "max_model_len", "block_size", "read_every"):
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Generator: config.{name} must be an int >= 1, got {value!r}")
+        for name in ("posterior_threshold", "posterior_alpha"):
+            value = getattr(config, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Generator: config.{name} must be a finite number >= 0, got {value!r}")
+        if config.max_model_len < k + 2:
+            raise ValueError(f"Generator: max_model_len = {config.max_model_len} leaves no room for a prompt and "
+                             f"a round of k = {k} (needs >= k + 2)")
+        if draft is not None and draft.vocab_size != target.vocab_size:
+            raise ValueError(f"Generator: draft vocab_size {draft.vocab_size} != target vocab_size "
+                             f"{target.vocab_size}")
+        cuda_graphs = check_graph_mode("Generator", device, compile, cuda_graphs)
+        if cuda_graphs == "reduce-overhead":
+            raise ValueError("Generator: cuda_graphs must be True, False or None")
+        self.target, self.draft, self.config, self.device = target, draft, config, device
+        self.speculative = draft is not None
+        self.k = k
+        self.vocab_size = target.vocab_size
+        self.num_slots = config.max_num_reqs
+        self.max_model_len = config.max_model_len
+        self.block_size = config.block_size
+        self.batch_sizes = sorted(set(int(b) for b in (config.batch_sizes or self._default_sizes())))
+        if self.batch_sizes[0] < 1 or self.batch_sizes[-1] > self.num_slots:
+            raise ValueError(f"Generator: batch_sizes {self.batch_sizes} must lie in [1, {self.num_slots}]")
+        if self.batch_sizes[-1] != self.num_slots:
+            self.batch_sizes.append(self.num_slots)
+        blocks_per_req = -(-self.max_model_len // self.block_size)
+        self.num_blocks = 1 + self.num_slots * blocks_per_req
+        self._allocate_state(blocks_per_req)
+        step = self._round if self.speculative else self._plain_round
+        self.compile, self.cuda_graphs = compile, cuda_graphs
+        self.runner = StepGraphs(step, device=device, compile=compile, cuda_graphs=cuda_graphs,
+                                 num_sizes=len(self.batch_sizes), owner="Generator")
+        self.warmed: set[int] = set()
+        self.split_ms: dict[int, dict[str, float]] = {}
+
+    def _default_sizes(self) -> list[int]:
+        sizes, size = [], 1
+        while size < self.config.max_num_reqs:
+            sizes.append(size)
+            size *= 2
+        return sizes + [self.config.max_num_reqs]
+
+    def _allocate_state(self, blocks_per_req: int) -> None:
+        device, slots, k, length = self.device, self.num_slots, self.k, self.max_model_len
+
+        def zeros(*shape, dtype):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        if self.speculative:
+            config = ProposerConfig(
+                num_speculative_tokens=k, max_num_reqs=slots, max_num_tokens=slots * (k + 1), max_model_len=length,
+                block_size=self.block_size, num_slots=slots, num_blocks=self.num_blocks,
+                batch_sizes=self.batch_sizes, token_sizes=[b * (k + 1) for b in self.batch_sizes])
+            # The generator traces the proposer's step inside its own round: the proposer itself is eager.
+            self.proposer = DraftProposer(self.draft, config, device=device, compile=False, cuda_graphs=False,
+                                          with_probs=self.config.method == "rejection")
+            self.block_table = self.proposer.block_table
+        else:
+            self.proposer = None
+            self.block_table = BlockTable(slots, blocks_per_req, self.num_blocks, device)
+        self.pool = BlockPool(self.num_blocks)
+        spec = self.target.kv_cache_spec()
+        self.kv_caches = tuple(zeros(self.num_blocks * self.block_size, 2, spec.num_kv_heads, spec.head_size,
+                                     dtype=spec.dtype) for _ in range(spec.num_layers))
+        # Per-slot state. tokens is flat [slots * (length + 1)]: column `length` of each row takes masked writes.
+        self.tokens = zeros(slots * (length + 1), dtype=torch.int64)
+        self.tokens_2d = self.tokens.view(slots, length + 1)
+        self.length = torch.ones(slots, dtype=torch.int64, device=device)  # prompt + generated, >= 1
+        self.cap = torch.ones(slots, dtype=torch.int64, device=device)
+        self.cap_is_length = zeros(slots, dtype=torch.bool)  # the cap comes from max_model_len
+        self.stop_reason = zeros(slots, dtype=torch.int64)
+        self.active = zeros(slots, dtype=torch.bool)
+        self.eos = torch.full((slots,), -1, dtype=torch.int64, device=device)
+        self.temperature = zeros(slots, dtype=torch.float32)
+        self.seeds = zeros(slots, dtype=torch.int64)
+        self.last_token = zeros(slots, dtype=torch.int64)
+        # The previous round's verified batch: the proposer's next query.
+        self.query_tokens = zeros(slots, k + 1, dtype=torch.int64)
+        self.query_start = zeros(slots, dtype=torch.int64)
+        self.num_rejected = zeros(slots, dtype=torch.int32)
+        # Counters: accepted drafts per position, tested drafts, live row-rounds, emitted tokens.
+        self.accepted_at = zeros(k, dtype=torch.int64)
+        self.counts = zeros(3, dtype=torch.int64)  # (tested drafts, live row-rounds, emitted tokens)
+        # Split timing: the target part's logits for the verification part.
+        self._split_logits = None
+        self._split_runners: dict[str, StepGraphs] = {}
+        self.cap_host = [1] * slots  # each slot's cap, on the host
+
+    # --- one round (traced) ---------------------------------------------------------------------------
+
+    def _round(self, batch: int) -> None:
+        """A speculative round at padded batch size `batch`, reading and writing only persistent buffers."""
+        with torch.no_grad():
+            active = self.active[:batch]
+            drafts, draft_probs = self._propose_part(batch, active)
+            inputs, logits = self._target_part(batch, active, drafts)
+            self._verify_part(batch, active, inputs, drafts, draft_probs, logits)
+
+    def _propose_part(self, batch: int, active: torch.Tensor):
+        """Fills the proposer's inputs from the previous verified batch and runs its step; (drafts, probs)."""
+        proposer, k = self.proposer, self.k
+        tokens = batch * (k + 1)
+        rows = torch.arange(batch, device=self.device)
+        offsets = torch.arange(k + 1, device=self.device)
+        proposer.input_ids[:tokens] = self.query_tokens[:batch].reshape(-1).to(torch.int32)
+        proposer.positions[:tokens] = (self.query_start[:batch, None] + offsets).reshape(-1)
+        proposer.query_start_loc[: batch + 1] = (torch.arange(batch + 1, device=self.device) * (k + 1)).int()
+        proposer.seq_lens[:batch] = (self.query_start[:batch] + k + 1).int()
+        proposer.idx_mapping[:batch] = torch.where(active, rows, self.num_slots).int()
+        proposer.num_rejected[:batch] = self.num_rejected[:batch]
+        proposer.temperature[:batch] = self.temperature[:batch]
+        proposer.seeds[:batch] = self.seeds[:batch]
+        proposer.last_sampled[:batch] = self.last_token[:batch]
+        proposer.live_counts[0] = batch
+        proposer.live_counts[1] = tokens
+        proposer.propose_step(batch, tokens)
+        probs = proposer.draft_probs[:batch] if proposer.with_probs else None
+        return proposer.draft_tokens[:batch], probs
+
+    def _block_rows(self, batch: int, active: torch.Tensor) -> torch.Tensor:
+        """[batch, blocks_per_req] int64 block rows of the round's slots; inactive rows get the null row."""
+        table = self.block_table.tensor.clamp(0, self.num_blocks - 1).long()
+        return torch.where(active[:, None], table[:batch], table[self.num_slots])
+
+    def _target_part(self, batch: int, active: torch.Tensor, drafts: torch.Tensor):
+        """The target forward over [last token, d_1..d_k] of every row: (input ids [B, k+1], logits [B, k+1, V])."""
+        k, query = self.k, self.k + 1
+        start = self.length[:batch] - 1  # the last token's position (its KV is not written yet)
+        inputs = torch.cat([self.last_token[:batch, None], drafts], dim=1)
+        positions = (start[:, None] + torch.arange(query, device=self.device)).reshape(-1)
+        block_rows = self._block_rows(batch, active)
+        token_rows = torch.arange(batch * query, device=self.device) // query
+        metadata = AttentionMetadata(
+            self.kv_caches, slot_mapping(block_rows[token_rows], positions, self.block_size, self.max_model_len),
+            block_rows, token_rows, (start + k + 1)[token_rows], self.block_size, uniform_query_len=query)
+        hidden = self.target(inputs.reshape(-1), positions, metadata)
+        logits = self.target.compute_logits(hidden).float().view(batch, query, self.vocab_size)
+        return inputs, logits
+
+    def _target_probs(self, logits: torch.Tensor, batch: int) -> torch.Tensor:
+        """softmax(logits / T) per row, one-hot at the argmax for greedy rows: [B, k+1, V] float32."""
+        temperature = self.temperature[:batch, None, None]
+        scaled = torch.softmax(logits / torch.where(temperature > 0, temperature, 1.0), dim=-1)
+        greedy = torch.nn.functional.one_hot(logits.argmax(-1), self.vocab_size).float()
+        return torch.where(temperature > 0, scaled, greedy)
+
+    def _verify_part(self, batch, active, inputs, drafts, draft_probs, logits) -> None:
+        """Verification, then the bookkeeping of the round and the proposer's next query."""
+        k = self.k
+        start = self.length[:batch] - 1
+        method = self.config.method
+        if method == "greedy":
+            out = greedy_verify(logits, drafts)
+        elif method == "rejection":
+            out = rejection_sample(self._target_probs(logits, batch), drafts, draft_probs, self.seeds[:batch],
+                                   start + 1)
+        else:
+            out = typical_acceptance(self._target_probs(logits, batch), drafts, self.config.posterior_threshold,
+                                     self.config.posterior_alpha)
+        accepted = (out != -1).sum(1) - 1  # in [0, k]: every row emits the substitute or the bonus
+        positions = torch.arange(k, device=self.device)
+        self.accepted_at += (active[:, None] & (accepted[:, None] > positions)).sum(0)
+        self.counts[0] += torch.where(active, torch.clamp(accepted + 1, max=k), 0).sum()
+        self._commit(out, batch, active)
+        self.query_tokens[:batch] = torch.where(active[:, None], inputs, self.query_tokens[:batch])
+        self.query_start[:batch] = torch.where(active, start, self.query_start[:batch])
+        self.num_rejected[:batch] = torch.where(active, k - accepted, self.num_rejected[:batch].long()).int()
+
+    def _plain_round(self, batch: int) -> None:
+        """A target-only round: one token per live row, sampled by sample_draft (argmax for temperature 0)."""
+        with torch.no_grad():
+            active = self.active[:batch]
+            start = self.length[:batch] - 1
+            block_rows = self._block_rows(batch, active)
+            rows = torch.arange(batch, device=self.device)
+            metadata = AttentionMetadata(
+                self.kv_caches, slot_mapping(block_rows, start, self.block_size, self.max_model_len), block_rows,
+                rows, start + 1, self.block_size, uniform_query_len=1)
+            hidden = self.target(self.last_token[:batch], start, metadata)
+            logits = self.target.compute_logits(hidden).float()
+            token = sample_draft(logits, self.temperature[:batch], self.seeds[:batch], start + 1)
+            self._commit(token[:, None], batch, active)
+
+    def _commit(self, out: torch.Tensor, batch: int, active: torch.Tensor) -> None:
+        """Appends each live row's emitted tokens (out [B, q], -1 = none) and sets its stop flags, on the device."""
+        q, width = out.shape[1], self.max_model_len + 1
+        columns = torch.arange(q, device=self.device)
+        length, cap = self.length[:batch], self.cap[:batch]
+        emitted = torch.where(active, (out != -1).sum(1), 0)
+        is_eos = (out == self.eos[:batch, None]) & (columns < emitted[:, None])
+        eos_column = torch.where(is_eos.any(1), is_eos.int().argmax(1), q)
+        emitted = torch.minimum(torch.minimum(emitted, eos_column + 1), (cap - length).clamp(min=0))
+        hit_eos = eos_column < emitted
+        write = columns < emitted[:, None]
+        rows = torch.arange(batch, device=self.device)
+        index = rows[:, None] * width + torch.where(write, (length[:, None] + columns).clamp(max=width - 1),
+                                                     width - 1)
+        self.tokens.index_put_((index.reshape(-1),), out.reshape(-1).long())
+        new_length = length + emitted
+        newest = out.gather(1, (emitted - 1).clamp(min=0)[:, None])[:, 0].long()
+        self.last_token[:batch] = torch.where(emitted > 0, newest, self.last_token[:batch])
+        at_cap = new_length >= cap
+        reason = torch.where(hit_eos, STOP_EOS, torch.where(
+            at_cap, torch.where(self.cap_is_length[:batch], STOP_LENGTH, STOP_MAX_TOKENS), RUNNING))
+        stops = active & (reason != RUNNING)
+        self.stop_reason[:batch] = torch.where(stops, reason, self.stop_reason[:batch])
+        self.active[:batch] = active & ~stops
+        self.length[:batch] = new_length
+        self.counts[1] += active.sum()
+        self.counts[2] += emitted.sum()
+
+    # --- warm-up and timing ---------------------------------------------------------------------------
+
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compiles (and on CUDA captures) the round at every padded size, with no live request.
+
+        Rounds with no live row change nothing but the null block and the dump column, so this is safe while
+        requests wait; it must run before requests are live, because a capture runs the round twice.
+        """
+        if self.active.any():
+            raise RuntimeError("Generator.warm_up: requests are live; warm up before generating")
+        for batch in self.batch_sizes:
+            if batch in self.warmed:
+                continue
+            if progress is not None:
+                progress(f"warm-up: {'speculative' if self.speculative else 'target-only'} round at batch "
+                         f"{batch} ({self.batch_sizes.index(batch) + 1}/{len(self.batch_sizes)})")
+            start = time.perf_counter()
+            self.runner.run(batch)
+            self._sync()
+            self.warmed.add(batch)
+            if progress is not None:
+                progress(f"  batch {batch} ready in {time.perf_counter() - start:.1f} s")
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def measure_split(self, batch: int, repeats: int = 10) -> dict[str, float]:
+        """Per-round milliseconds of the draft, target and verification parts at padded size `batch`.
+
+        Each part is its own step (compiled and graph-captured as the round is) over the same buffers, run with no
+        live row (rows still compute at the padded size; only their writes are masked), timed by CUDA events
+        around `repeats` replays (wall clock on CPU). Also times the whole round. Call it with no live request.
+        """
+        if self.active.any():
+            raise RuntimeError("Generator.measure_split: requests are live")
+        k = self.k
+        if self._split_logits is None:
+            self._split_logits = torch.zeros(self.num_slots, k + 1, self.vocab_size, device=self.device)
+            self._split_drafts = torch.zeros(self.num_slots, k, dtype=torch.int64, device=self.device)
+
+        def draft_part(b):
+            with torch.no_grad():
+                self._propose_part(b, self.active[:b])
+
+        def target_part(b):
+            with torch.no_grad():
+                drafts = self.proposer.draft_tokens[:b] if self.speculative else self._split_drafts[:b]
+                _, logits = self._target_part(b, self.active[:b], drafts)
+                self._split_logits[:b] = logits
+
+        def verify_part(b):
+            with torch.no_grad():
+                drafts = self.proposer.draft_tokens[:b]
+                inputs = torch.cat([self.last_token[:b, None], drafts], dim=1)
+                probs = self.proposer.draft_probs[:b] if self.proposer.with_probs else None
+                self._verify_part(b, self.active[:b], inputs, drafts, probs, self._split_logits[:b])
+
+        parts = {"round": self.runner}
+        if self.speculative:
+            for name, fn in (("draft", draft_part), ("target", target_part), ("verify", verify_part)):
+                if name not in self._split_runners:
+                    self._split_runners[name] = StepGraphs(
+                        fn, device=self.device, compile=self.compile, cuda_graphs=self.cuda_graphs,
+                        num_sizes=len(self.batch_sizes), owner="Generator.measure_split")
+                parts[name] = self._split_runners[name]
+        result = {}
+        for name, runner in parts.items():
+            runner.run(batch)  # compile / capture outside the timing
+            self._sync()
+            result[name] = self._time(lambda: runner.run(batch), repeats)
+        self.split_ms[batch] = result
+        return result
+
+    def _time(self, fn, repeats: int) -> float:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / repeats
+        begin = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - begin) * 1e3 / repeats
+
+    # --- requests (host) ------------------------------------------------------------------------------
+
+    def _prepare(self, index: int, request: Request) -> _Prepared:
+        where = f"Generator.generate: requests[{index}]"
+        prompt = request.prompt_ids
+        if isinstance(prompt, torch.Tensor):
+            if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+                raise ValueError(f"{where}.prompt_ids must hold integer token ids, got dtype {prompt.dtype}")
+            if prompt.device.type != "cpu" and prompt.device != self.device:
+                raise ValueError(f"{where}.prompt_ids must be on the CPU or on {self.device}, got {prompt.device}")
+            if prompt.dim() != 1:
+                raise ValueError(f"{where}.prompt_ids must be 1-D, got shape {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        else:
+            prompt = list(prompt)
+            for position, token in enumerate(prompt):
+                if isinstance(token, bool) or not isinstance(token, int):
+                    raise ValueError(f"{where}.prompt_ids[{position}] must be an int token id, got {token!r}")
+        if not prompt:
+            raise ValueError(f"{where}.prompt_ids is empty; a prompt needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where}.prompt_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        longest = self.max_model_len - self.k - 1
+        if len(prompt) > longest:
+            raise ValueError(f"{where}: prompt of {len(prompt)} tokens; with max_model_len = {self.max_model_len} "
+                             f"and k = {self.k} a prompt holds at most {longest}")
+        max_new = request.max_new_tokens
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+            raise ValueError(f"{where}.max_new_tokens must be an int >= 1, got {max_new!r}")
+        temperature = request.temperature
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+                math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"{where}.temperature must be a finite number >= 0, got {temperature!r}")
+        if self.speculative and self.config.method == "greedy" and temperature > 0:
+            raise ValueError(f"{where}.temperature = {temperature}: method 'greedy' verifies by argmax; use "
+                             f"method 'rejection' (or 'typical') for temperature > 0")
+        seed = request.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+            raise ValueError(f"{where}.seed must be an int in [0, 2**63), got {seed!r}")
+        eos = request.eos_token_id
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < self.vocab_size):
+            raise ValueError(f"{where}.eos_token_id must be None or an int in [0, {self.vocab_size}), got {eos!r}")
+        return _Prepared(prompt, max_new, float(temperature), seed, -1 if eos is None else eos)
+
+    @torch.no_grad()
+    def _admit(self, slot: int, request: _Prepared) -> bool:
+        """Prefills `request` into free `slot`; returns False when it already finished at its first token."""
+        prompt, k = request.prompt, self.k
+        length = len(prompt)
+        cap = min(length + request.max_new_tokens, self.max_model_len - k)
+        # Every position the request's rounds can write: up to cap - 1 + k.
+        blocks = self.pool.allocate(-(-min(cap + k, self.max_model_len) // self.block_size), owner=slot)
+        self.block_table.assign(slot, blocks, where="Generator")
+        device = self.device
+        ids = torch.tensor(prompt, dtype=torch.int64, device=device)
+        positions = torch.arange(length, device=device)
+        first = self._prefill(self.target, self.kv_caches, slot, ids, positions, sample=request)
+        if self.speculative and length > 1:
+            self._prefill(self.draft, self.proposer.kv_caches, slot, ids[:-1], positions[:-1])
+        row = torch.zeros(self.max_model_len + 1, dtype=torch.int64)
+        row[:length] = torch.tensor(prompt)
+        row[length] = first
+        self.tokens_2d[slot].copy_(row)
+        new_length = length + 1
+        stop = STOP_EOS if first == request.eos else (
+            RUNNING if new_length < cap else (STOP_LENGTH if cap < length + request.max_new_tokens else
+                                              STOP_MAX_TOKENS))
+        values = dict(length=new_length, cap=cap, cap_is_length=cap < length + request.max_new_tokens,
+                      stop_reason=stop, active=stop == RUNNING, eos=request.eos, temperature=request.temperature,
+                      seeds=request.seed, last_token=first, query_start=length - 1, num_rejected=k)
+        for name, value in values.items():
+            getattr(self, name)[slot] = value
+        self.cap_host[slot] = cap
+        self.query_tokens[slot] = torch.tensor([prompt[-1]] + [0] * k, device=device)
+        return stop == RUNNING
+
+    def _prefill(self, model, kv_caches, slot: int, ids, positions, sample: _Prepared | None = None):
+        """One sequence's prompt through `model`'s paged cache (eager); with `sample`, its first token (an int)."""
+        rows = self.block_table.tensor[slot: slot + 1].long()
+        token_rows = torch.zeros_like(positions)
+        metadata = AttentionMetadata(kv_caches, slot_mapping(rows[token_rows], positions, self.block_size,
+                                                             self.max_model_len),
+                                     rows, token_rows, torch.full_like(positions, positions.shape[0]),
+                                     self.block_size)
+        hidden = model(ids, positions, metadata)
+        if sample is None:
+            return None
+        logits = model.compute_logits(hidden[-1:]).float()
+        device = self.device
+        token = sample_draft(logits, torch.tensor([sample.temperature], device=device),
+                             torch.tensor([sample.seed], device=device),
+                             torch.tensor([positions.shape[0]], device=device))
+        return int(token[0])
+
+    def _retire(self, slot: int) -> None:
+        self.pool.release(self.block_table.clear(slot))
+        self.active[slot] = False
+
+    # --- the host loop --------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[Request], *, progress: Callable[[int, int], None] | None = None,
+                 warm_up_progress: Callable[[str], None] | None = None) -> GenerationOutput:
+        """Generates every request with continuous batching; returns their outputs (in order) and the metrics.
+
+        progress(new_tokens, finished_requests) is called after every host read.
+        """
+        prepared = [self._prepare(i, r) for i, r in enumerate(requests)]
+        self.warm_up(warm_up_progress)
+        self.accepted_at.zero_()
+        self.counts.zero_()
+        self.stop_reason.zero_()
+        outputs: list[RequestOutput | None] = [None] * len(prepared)
+        waiting = deque(range(len(prepared)))
+        live: dict[int, int] = {}  # slot -> request index
+        admitted_after: dict[int, int] = {}  # slot -> groups launched before its admission
+        remaining: dict[int, int] = {}  # slot -> tokens left to its cap, as of the last read
+        free = list(range(self.num_slots))
+        on_cuda = self.device.type == "cuda"
+        snapshot = _Snapshot(self, pinned=on_cuda)
+        per_group = (self.k + 1 if self.speculative else 1) * self.config.read_every
+        group_events, groups, reported, finished = [], 0, 0, 0
+        round_time = prefill_s = 0.0
+        start = time.perf_counter()
+
+        def launch_group():
+            nonlocal groups, round_time
+            batch = _pick(self.batch_sizes, max(live) + 1)
+            if on_cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            t0 = time.perf_counter()
+            for _ in range(self.config.read_every):
+                self.runner.run(batch)
+            round_time += time.perf_counter() - t0
+            if on_cuda:
+                end.record()
+                group_events.append((begin, end))
+            groups += 1
+            return groups, snapshot.take()
+
+        def finish(slot: int, index: int, tokens: list[int], reason: int) -> None:
+            nonlocal finished
+            outputs[index] = RequestOutput(prepared[index].prompt, tokens, STOP_NAMES[reason])
+            self._retire(slot)
+            free.append(slot)
+            finished += 1
+
+        def read(group: int, handle) -> None:
+            nonlocal reported
+            length, stop_reason, tokens = snapshot.wait(handle)
+            for slot in list(live):
+                if group <= admitted_after[slot]:
+                    continue  # this snapshot predates the slot's request
+                index = live[slot]
+                prompt_len, end = len(prepared[index].prompt), int(length[slot])
+                remaining[slot] = int(self.cap_host[slot]) - end
+                if stop_reason[slot] != RUNNING:
+                    del live[slot]
+                    finish(slot, index, tokens[slot, prompt_len:end].tolist(), int(stop_reason[slot]))
+            total = sum(len(o.token_ids) for o in outputs if o is not None)
+            total += sum(self.cap_host[s] - remaining[s] - len(prepared[i].prompt) for s, i in live.items())
+            if progress is not None:
+                progress(total - reported, finished)
+            reported = total
+
+        in_flight = None  # (group, snapshot handle) launched and not yet read
+        while waiting or live:
+            free.sort()  # the lowest free slots first: keeps the padded batch small
+            while waiting and free:
+                slot, index = free.pop(0), waiting.popleft()
+                t0 = time.perf_counter()
+                request = prepared[index]
+                if self._admit(slot, request):
+                    live[slot] = index
+                    admitted_after[slot] = groups
+                    remaining[slot] = int(self.cap_host[slot]) - len(request.prompt) - 1
+                else:  # finished at its first token
+                    first = int(self.tokens_2d[slot, len(request.prompt)])
+                    finish(slot, index, [first], int(self.stop_reason[slot]))
+                prefill_s += time.perf_counter() - t0
+            if not live:
+                continue
+            if in_flight is None:
+                in_flight = launch_group()
+            # The next group runs while the host reads the previous one, when some request surely outlives it.
+            following = launch_group() if any(remaining[s] > per_group for s in live) else None
+            read(*in_flight)
+            in_flight = following
+        if in_flight is not None:
+            snapshot.wait(in_flight[1])
+        self._sync()
+        wall = time.perf_counter() - start
+        busy = sum(b.elapsed_time(e) for b, e in group_events) / 1e3 if on_cuda else round_time
+        rounds = groups * self.config.read_every
+        return GenerationOutput(outputs, self._metrics(outputs, wall, prefill_s, rounds, busy))
+
+    def _metrics(self, outputs, wall: float, prefill_s: float, rounds: int, busy: float) -> GenerationMetrics:
+        counts = self.counts.tolist()
+        accepted_at = self.accepted_at.tolist()
+        generated = sum(len(o.token_ids) for o in outputs)
+        tested, row_rounds, emitted = counts
+        metrics = GenerationMetrics(
+            speculative=self.speculative, method=self.config.method if self.speculative else "target-only",
+            k=self.k if self.speculative else 0, num_requests=len(outputs), generated_tokens=generated,
+            wall_s=wall, prefill_s=prefill_s, rounds=rounds, row_rounds=row_rounds,
+            mean_emitted_per_round=emitted / row_rounds if row_rounds else 0.0,
+            tokens_per_s=generated / wall if wall > 0 else 0.0,
+            host_share=max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0)
+        if self.speculative and row_rounds:
+            metrics.acceptance_per_position = [a / row_rounds for a in accepted_at]
+            metrics.acceptance_rate = sum(accepted_at) / tested if tested else 0.0
+        if self.split_ms:
+            metrics.split_ms = dict(self.split_ms[max(self.split_ms)])
+        return metrics
+
+
+class _Snapshot:
+    """Host copies of the generator's length, stop_reason and tokens.
+
+    On CUDA: two sets of pinned buffers used in turn, each copy queued without a sync and followed by an event, so
+    one set can be read while the next copy is in flight; elsewhere a plain copy.
+    """
+
+    def __init__(self, generator: Generator, pinned: bool):
+        self.sources = (generator.length, generator.stop_reason, generator.tokens_2d)
+        self.pinned = pinned
+        sets = 2 if pinned else 1
+        self.sets = [[torch.empty(s.shape, dtype=s.dtype, pin_memory=pinned) for s in self.sources]
+                     for _ in range(sets)]
+        self.turn = 0
+
+    def take(self):
+        buffers = self.sets[self.turn]
+        self.turn = (self.turn + 1) % len(self.sets)
+        for dst, src in zip(buffers, self.sources):
+            dst.copy_(src, non_blocking=self.pinned)
+        event = None
+        if self.pinned:
+            event = torch.cuda.Event()
+            event.record()
+        return buffers, event
+
+    def wait(self, handle):
+        buffers, event = handle
+        if event is not None:
+            event.synchronize()
+        return buffers
