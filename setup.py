@@ -31,4 +31,5 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],
     extras_require={"cuda": ["triton>=3.6"], "test": ["pytest", "numpy", "scipy"]},
+    entry_points={"console_scripts": ["specdec-generate = specdec_ops.generate:main"]},
 )

@@ -43,7 +43,10 @@ any position would reach max_model_len, and the ops' clamping of positions never
 cap, so they stop at the same token. A prompt longer than ``max_model_len - k - 1`` is refused.
 
 Randomness: every draw is a pure function of (the request's seed, a position, the op's purpose), so a request's
-tokens do not depend on the other requests in the batch or on when it was admitted.
+tokens do not depend on the other requests in the batch or on when it was admitted. The draft draws at the
+positions of the tokens it is fed, the rejection sampler at the drafts' positions (its own purposes), and the
+target's own draws (first token, target-only rounds) at the new token's position + TARGET_STREAM_OFFSET, so no
+two draws that must be independent share a random number.
 """
 from __future__ import annotations
 
@@ -66,6 +69,10 @@ METHODS = ("greedy", "rejection", "typical")
 # stop_reason codes on the device, and their names
 RUNNING, STOP_EOS, STOP_MAX_TOKENS, STOP_LENGTH = 0, 1, 2, 3
 STOP_NAMES = {STOP_EOS: "eos", STOP_MAX_TOKENS: "max_tokens", STOP_LENGTH: "length"}
+# The target's own draws (a request's first token, target-only rounds) use sample_draft at the new token's
+# position plus this offset: the draft draws at the positions of the tokens it is fed, and a shared random number
+# would correlate a draft with the token it continues, which biases rejection sampling.
+TARGET_STREAM_OFFSET = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -293,7 +300,7 @@ class Generator:
     def _round(self, batch: int) -> None:
         """A speculative round at padded batch size `batch`, reading and writing only persistent buffers."""
         with torch.no_grad():
-            active = self.active[:batch]
+            active = self.active[:batch].clone()  # the round's live rows (_commit updates the flags)
             drafts, draft_probs = self._propose_part(batch, active)
             inputs, logits = self._target_part(batch, active, drafts)
             self._verify_part(batch, active, inputs, drafts, draft_probs, logits)
@@ -371,7 +378,7 @@ class Generator:
     def _plain_round(self, batch: int) -> None:
         """A target-only round: one token per live row, sampled by sample_draft (argmax for temperature 0)."""
         with torch.no_grad():
-            active = self.active[:batch]
+            active = self.active[:batch].clone()  # the round's live rows (_commit updates the flags)
             start = self.length[:batch] - 1
             block_rows = self._block_rows(batch, active)
             rows = torch.arange(batch, device=self.device)
@@ -380,7 +387,8 @@ class Generator:
                 rows, start + 1, self.block_size, uniform_query_len=1)
             hidden = self.target(self.last_token[:batch], start, metadata)
             logits = self.target.compute_logits(hidden).float()
-            token = sample_draft(logits, self.temperature[:batch], self.seeds[:batch], start + 1)
+            token = sample_draft(logits, self.temperature[:batch], self.seeds[:batch],
+                                 start + 1 + TARGET_STREAM_OFFSET)
             self._commit(token[:, None], batch, active)
 
     def _commit(self, out: torch.Tensor, batch: int, active: torch.Tensor) -> None:
@@ -591,7 +599,7 @@ class Generator:
         device = self.device
         token = sample_draft(logits, torch.tensor([sample.temperature], device=device),
                              torch.tensor([sample.seed], device=device),
-                             torch.tensor([positions.shape[0]], device=device))
+                             torch.tensor([positions.shape[0] + TARGET_STREAM_OFFSET], device=device))
         return int(token[0])
 
     def _retire(self, slot: int) -> None:

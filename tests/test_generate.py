@@ -1,0 +1,349 @@
+"""Generator: speculative output equals target-only output (greedy) for every k with requests joining and leaving;
+compiled == eager; rejection sampling keeps the target's distribution (chi-square, with a negative control);
+typical acceptance; EOS / max tokens / max_model_len stops; slot and block reuse; bad inputs.
+
+Models are the random-weight reference `DraftModel` in float64 (paged vs dense attention and verify vs decode
+shapes cannot flip an argmax). The draft is the target's first layer(s) (shared modules); the target's later layers
+are damped so that drafts are often accepted and whole rounds (bonus token included) occur.
+"""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from specdec_ops.models import DraftModel, DraftModelConfig
+from specdec_ops.runtime.generator import Generator, GeneratorConfig, Request
+from support import greedy_reference, prefix_draft
+
+CONFIG = DraftModelConfig(num_layers=3, dtype=torch.float64)
+
+
+def damped_target(config: DraftModelConfig, seed: int, keep_layers: int, scale: float, device="cpu") -> DraftModel:
+    """A random target whose layers past `keep_layers` add `scale` times their usual residual update."""
+    model = DraftModel(config, seed=seed, device=device)
+    with torch.no_grad():
+        for layer in model.layers[keep_layers:]:
+            layer.attn.o_proj.weight.mul_(scale)
+            layer.down_proj.weight.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return damped_target(CONFIG, seed=1, keep_layers=1, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return prefix_draft(target, 1)
+
+
+def mixed_requests(seed: int, count: int, *, vocab: int = CONFIG.vocab_size, **kwargs) -> list[Request]:
+    gen = torch.Generator().manual_seed(seed)
+    requests = []
+    for _ in range(count):
+        prompt_len = int(torch.randint(1, 21, (), generator=gen))
+        max_new = int(torch.randint(1, 14, (), generator=gen))
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+        requests.append(Request(prompt, max_new, **kwargs))
+    return requests
+
+
+def small_config(k: int, **kwargs) -> GeneratorConfig:
+    values = dict(num_speculative_tokens=k, max_num_reqs=3, max_model_len=64, block_size=4, batch_sizes=(2, 3),
+                  read_every=2)
+    values.update(kwargs)
+    return GeneratorConfig(**values)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_speculative_equals_target_only(target, draft, k):
+    requests = mixed_requests(k, 7)  # 7 requests through 3 slots: they join and leave
+    spec = Generator(target, draft, small_config(k), device="cpu", compile=False).generate(requests)
+    plain = Generator(target, None, small_config(k), device="cpu", compile=False).generate(requests)
+    for index, request in enumerate(requests):
+        want = greedy_reference(target, request.prompt_ids, request.max_new_tokens)
+        assert plain.requests[index].token_ids == want, f"target-only, request {index}"
+        assert spec.requests[index].token_ids == want, f"speculative k={k}, request {index}"
+        assert spec.requests[index].finish_reason == "max_tokens"
+    metrics = spec.metrics
+    assert metrics.generated_tokens == sum(r.max_new_tokens for r in requests)
+    assert len(metrics.acceptance_per_position) == k
+    # The damped target accepts the prefix draft often, so the test covers accepted and rejected drafts.
+    assert 0.3 < metrics.acceptance_rate < 1.0
+    assert metrics.mean_emitted_per_round > 1.0
+    assert all(a >= b for a, b in zip(metrics.acceptance_per_position, metrics.acceptance_per_position[1:]))
+    assert plain.metrics.mean_emitted_per_round == 1.0
+
+
+def test_full_acceptance_emits_the_bonus_token(target):
+    # The draft is the target itself: every draft is accepted, every round emits k + 1 tokens (until the cap).
+    k = 3
+    requests = [Request([5, 6, 7], 12), Request([9], 8)]
+    out = Generator(target, target, small_config(k), device="cpu", compile=False).generate(requests)
+    for request, result in zip(requests, out.requests):
+        assert result.token_ids == greedy_reference(target, request.prompt_ids, request.max_new_tokens)
+    assert out.metrics.acceptance_rate == 1.0 and out.metrics.acceptance_per_position == [1.0] * k
+
+
+def test_compiled_equals_eager_without_recompiling(target, draft):
+    # One padded size, so one compile per generator; the live batch changes from round to round within it.
+    k = 3
+    config = small_config(k, batch_sizes=(3,))
+    requests = mixed_requests(20, 6)
+    eager = Generator(target, draft, config, device="cpu", compile=False).generate(requests)
+    compiled = Generator(target, draft, config, device="cpu", compile=True)
+    compiled.warm_up()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = compiled.generate(requests)
+    assert [r.token_ids for r in out.requests] == [r.token_ids for r in eager.requests]
+    assert out.metrics.acceptance_per_position == eager.metrics.acceptance_per_position
+    plain = Generator(target, None, config, device="cpu", compile=True)
+    plain.warm_up()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        plain_out = plain.generate(requests)
+    assert [r.token_ids for r in plain_out.requests] == [r.token_ids for r in eager.requests]
+
+
+def test_eos_max_tokens_and_length_stop_independently(target, draft):
+    k = 2
+    prompt_a, prompt_b = [3, 4, 5], [11, 12]
+    ref_a = greedy_reference(target, prompt_a, 10)
+    eos = ref_a[3]
+    ref_b = greedy_reference(target, prompt_b, 10)
+    # A token that request b does not produce within 10 tokens, and that a produces first at index 3.
+    assert eos not in ref_b and eos not in ref_a[:3], "test setup: pick other prompts"
+    config = small_config(k, max_model_len=24)
+    requests = [
+        Request(prompt_a, 10, eos_token_id=eos),  # stops at its EOS
+        Request(prompt_b, 10, eos_token_id=eos),  # runs to max tokens
+        Request(list(range(1, 16)), 30),  # max_model_len - k = 22 caps it at 7 new tokens
+        Request(prompt_a, 1),  # finishes at its first token
+        Request(prompt_b, 5, eos_token_id=ref_b[0]),  # its first token is its EOS
+    ]
+    out = Generator(target, draft, config, device="cpu", compile=False).generate(requests)
+    a, b, c, d, e = out.requests
+    assert a.token_ids == ref_a[:4] and a.finish_reason == "eos"
+    assert b.token_ids == ref_b and b.finish_reason == "max_tokens"
+    assert c.token_ids == greedy_reference(target, list(range(1, 16)), 7) and c.finish_reason == "length"
+    assert d.token_ids == ref_a[:1] and d.finish_reason == "max_tokens"
+    assert e.token_ids == ref_b[:1] and e.finish_reason == "eos"
+    plain = Generator(target, None, config, device="cpu", compile=False).generate(requests)
+    assert [r.token_ids for r in plain.requests] == [r.token_ids for r in out.requests]
+    assert [r.finish_reason for r in plain.requests] == [r.finish_reason for r in out.requests]
+
+
+class RecordingGenerator(Generator):
+    """Checks, at every admission, that no two live requests share a block and that the new slot was free."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.admissions = []
+
+    def _admit(self, slot, request):
+        live = {s: self.block_table.blocks(s) for s in range(self.num_slots) if self.block_table.blocks(s)}
+        assert slot not in live, f"slot {slot} admitted while it still holds blocks"
+        live_blocks = [b for blocks in live.values() for b in blocks]
+        assert len(live_blocks) == len(set(live_blocks))
+        result = super()._admit(slot, request)
+        new = self.block_table.blocks(slot)
+        assert not set(new) & set(live_blocks), "a new request got a live request's block"
+        self.admissions.append((slot, tuple(new)))
+        return result
+
+
+def test_slot_and_block_reuse_keeps_live_requests_intact(target, draft):
+    k = 3
+    requests = mixed_requests(7, 10)
+    generator = RecordingGenerator(target, draft, small_config(k, batch_sizes=(3,), max_model_len=256), device="cpu",
+                                   compile=False)
+    out = generator.generate(requests)
+    for index, request in enumerate(requests):
+        assert out.requests[index].token_ids == greedy_reference(target, request.prompt_ids, request.max_new_tokens)
+    slots = [slot for slot, _ in generator.admissions]
+    assert len(slots) == 10 and set(slots) == {0, 1, 2}  # every slot reused
+    assert generator.pool.num_free == generator.num_blocks - 1  # every block given back
+    # Blocks never handed out were never written: rounds of idle or padded rows write only the null block.
+    used = {b for _, blocks in generator.admissions for b in blocks}
+    untouched = sorted(set(range(1, generator.num_blocks)) - used)
+    assert untouched, "test setup: some blocks should stay unused"
+    for cache in generator.kv_caches + generator.proposer.kv_caches:
+        assert cache.view(generator.num_blocks, generator.block_size, -1)[untouched].eq(0).all()
+
+
+def test_typical_acceptance_runs_and_stops(target, draft):
+    k = 3
+    requests = mixed_requests(30, 6)
+    for index, request in enumerate(requests):
+        request.temperature = 0.0 if index % 2 == 0 else 0.8
+        request.seed = index
+    out = Generator(target, draft, small_config(k, method="typical"), device="cpu", compile=False).generate(requests)
+    again = Generator(target, draft, small_config(k, method="typical"), device="cpu", compile=False).generate(requests)
+    for index, (request, result) in enumerate(zip(requests, out.requests)):
+        assert len(result.token_ids) == request.max_new_tokens and result.finish_reason == "max_tokens"
+        assert all(0 <= t < CONFIG.vocab_size for t in result.token_ids)
+        if request.temperature == 0:  # one-hot target probabilities: typical acceptance is greedy
+            assert result.token_ids == greedy_reference(target, request.prompt_ids, request.max_new_tokens)
+        assert again.requests[index].token_ids == result.token_ids  # seeded: deterministic
+    assert 0 < out.metrics.acceptance_rate <= 1
+
+
+# --- rejection sampling keeps the target's distribution ------------------------------------------------
+
+TINY = DraftModelConfig(vocab_size=6, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                        intermediate_size=32, dtype=torch.float64)
+PROMPT = [1, 4, 2]
+NEW_TOKENS = 4
+SAMPLES = 1500
+
+
+def exact_marginals(model, prompt, steps, temperature):
+    """P(token at generated position j = v) for j < steps under target-only sampling, by enumerating prefixes."""
+    marginals, frontier = [], {(): 1.0}
+    for _ in range(steps):
+        marginal = torch.zeros(model.vocab_size, dtype=torch.float64)
+        next_frontier = {}
+        for prefix, weight in frontier.items():
+            sequence = prompt + list(prefix)
+            hidden = model(torch.tensor(sequence), torch.arange(len(sequence)), None)
+            probs = torch.softmax(model.compute_logits(hidden[-1]).double() / temperature, -1)
+            marginal += weight * probs
+            for token in range(model.vocab_size):
+                next_frontier[prefix + (token,)] = weight * float(probs[token])
+        marginals.append(marginal)
+        frontier = next_frontier
+    return marginals
+
+
+def chi_square_pvalues(model, outputs, temperature):
+    from scipy.stats import chisquare
+
+    pvalues = []
+    for position, marginal in enumerate(exact_marginals(model, PROMPT, NEW_TOKENS, temperature)):
+        counts = torch.bincount(torch.tensor([o.token_ids[position] for o in outputs]), minlength=model.vocab_size)
+        expected = marginal * len(outputs)
+        keep = expected >= 5  # pool the rare tokens into one bin
+        observed = torch.cat([counts[keep].double(), counts[~keep].sum().double().view(1)])
+        expected = torch.cat([expected[keep], expected[~keep].sum().view(1)])
+        if expected[-1] < 5:
+            observed, expected = observed[:-1], expected[:-1]
+            expected = expected * observed.sum() / expected.sum()
+        pvalues.append(float(chisquare(observed.numpy(), expected.numpy()).pvalue))
+    return pvalues
+
+
+class OffByOneGenerator(Generator):
+    """A wrong sampler: draft i is verified against the draft distribution of position i - 1 (an indexing bug).
+
+    (Ignoring the draft probabilities altogether would not do: treating the draft as a point mass is itself a
+    valid proposal, and the output keeps the target's distribution.)"""
+
+    def _verify_part(self, batch, active, inputs, drafts, draft_probs, logits):
+        super()._verify_part(batch, active, inputs, drafts, draft_probs.roll(1, dims=1), logits)
+
+
+@pytest.mark.slow
+def test_rejection_sampling_matches_the_target_distribution():
+    target = DraftModel(TINY, seed=3)
+    draft = DraftModel(TINY, seed=4)  # an unrelated draft: acceptance well below 1, residual draws matter
+    temperature = 1.0
+    requests = [Request(PROMPT, NEW_TOKENS, temperature=temperature, seed=1000 + i) for i in range(SAMPLES)]
+    config = GeneratorConfig(num_speculative_tokens=3, method="rejection", max_num_reqs=64, max_model_len=16,
+                             block_size=4, batch_sizes=(64,), read_every=2)
+    out = Generator(target, draft, config, device="cpu", compile=False).generate(requests)
+    assert all(len(o.token_ids) == NEW_TOKENS for o in out.requests)
+    assert 0.2 < out.metrics.acceptance_rate < 0.95
+    pvalues = chi_square_pvalues(target, out.requests, temperature)
+    assert min(pvalues) > 1e-3, f"speculative samples differ from the target's distribution: p = {pvalues}"
+    plain = Generator(target, None, config, device="cpu", compile=False).generate(requests)
+    assert min(chi_square_pvalues(target, plain.requests, temperature)) > 1e-3
+    # Negative control: the same test rejects a sampler with an off-by-one in the draft probabilities.
+    wrong = OffByOneGenerator(target, draft, config, device="cpu", compile=False).generate(requests)
+    assert min(chi_square_pvalues(target, wrong.requests, temperature)) < 1e-6
+
+
+# --- bad inputs ---------------------------------------------------------------------------------------------
+
+
+def test_bad_requests_and_configs_are_refused(target, draft):
+    generator = Generator(target, draft, small_config(2), device="cpu", compile=False)
+    rejection = Generator(target, draft, small_config(2, method="rejection"), device="cpu", compile=False)
+    cases = [
+        (generator, Request(torch.tensor([1.0, 2.0]), 4), "integer token ids"),
+        (generator, Request(torch.tensor([1, 2], device="meta"), 4), "must be on the CPU or on cpu"),
+        (generator, Request([1, 2.5], 4), r"prompt_ids\[1\] must be an int"),
+        (generator, Request([], 4), "empty"),
+        (generator, Request([1, CONFIG.vocab_size], 4), "outside the vocabulary"),
+        (generator, Request(list(range(62)), 4), "holds at most 61"),
+        (generator, Request([1], 0), "max_new_tokens must be an int >= 1"),
+        (rejection, Request([1], 4, temperature=-0.5), "temperature must be a finite number >= 0"),
+        (rejection, Request([1], 4, temperature=math.nan), "temperature must be a finite number >= 0"),
+        (generator, Request([1], 4, temperature=0.7), "method 'greedy' verifies by argmax"),
+        (generator, Request([1], 4, seed=-1), "seed must be an int"),
+        (generator, Request([1], 4, eos_token_id=CONFIG.vocab_size), "eos_token_id must be None or an int"),
+    ]
+    for gen, request, message in cases:
+        with pytest.raises(ValueError, match=message):
+            gen.generate([Request([1, 2], 2), request])
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 1"):
+        Generator(target, draft, small_config(0), device="cpu")
+    with pytest.raises(ValueError, match="method must be one of"):
+        Generator(target, draft, small_config(2, method="beam"), device="cpu")
+    with pytest.raises(ValueError, match="posterior_threshold must be a finite number"):
+        Generator(target, draft, small_config(2, posterior_threshold=-1.0), device="cpu")
+    with pytest.raises(ValueError, match="batch_sizes"):
+        Generator(target, draft, small_config(2, batch_sizes=(4,)), device="cpu")
+    other_vocab = DraftModel(dataclasses.replace(CONFIG, vocab_size=100))
+    with pytest.raises(ValueError, match="draft vocab_size 100 != target vocab_size 512"):
+        Generator(target, other_vocab, small_config(2), device="cpu")
+    with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
+        Generator(target, draft, small_config(2), device="cpu", cuda_graphs=True)
+
+
+# --- CUDA -----------------------------------------------------------------------------------------------------
+
+
+def cuda_models():
+    config = dataclasses.replace(CONFIG, dtype=torch.float32)
+    target = damped_target(config, seed=1, keep_layers=1, scale=0.3, device="cuda")
+    return target, prefix_draft(target, 1)
+
+
+@pytest.mark.cuda
+def test_cuda_one_graph_per_size_no_recompiles_and_greedy_identity():
+    target, draft = cuda_models()
+    config = small_config(3, max_num_reqs=4, batch_sizes=(2, 4), max_model_len=64)
+    requests = mixed_requests(5, 9)
+    for model_draft in (draft, None):
+        generator = Generator(target, model_draft, config, device="cuda")
+        generator.warm_up()
+        assert set(generator.runner.graphs) == {(2,), (4,)}  # one CUDA graph per padded size, whole round
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            out = generator.generate(requests)
+        assert set(generator.runner.graphs) == {(2,), (4,)}
+        for index, request in enumerate(requests):
+            want = greedy_reference(target, request.prompt_ids, request.max_new_tokens)
+            assert out.requests[index].token_ids == want, f"request {index} (draft={model_draft is not None})"
+
+
+@pytest.mark.cuda
+def test_cuda_rounds_do_not_sync():
+    from conftest import sync_forbidden
+
+    target, draft = cuda_models()
+    generator = Generator(target, draft, small_config(3, max_num_reqs=4, batch_sizes=(4,)), device="cuda")
+    generator.warm_up()
+    requests = mixed_requests(6, 4)
+    prepared = [generator._prepare(i, r) for i, r in enumerate(requests)]
+    for slot, request in enumerate(prepared):
+        assert generator._admit(slot, request)
+    torch.cuda.synchronize()
+    with sync_forbidden():
+        for _ in range(6):
+            generator.runner.run(4)
+    torch.cuda.synchronize()
+    for slot, request in enumerate(requests):
+        length = int(generator.length[slot])
+        got = generator.tokens_2d[slot, len(request.prompt_ids):length].tolist()
+        assert got == greedy_reference(target, request.prompt_ids, len(got))
