@@ -1,0 +1,309 @@
+"""End-to-end generation benchmark: our target-only and speculative generation beside transformers' generate.
+
+    python scripts/bench_generate.py                       # H200: bf16, Llama-3.2-1B shapes, k = 4, batch 1, 8, 32
+    python scripts/bench_generate.py --device cpu --quick  # a tiny configuration that runs anywhere
+    python scripts/bench_generate.py --json out.json
+
+Models (random weights, the same in every path): the target has Llama-3.2-1B's shapes (hidden 2048, 16 layers,
+32 heads, 8 KV heads, intermediate 8192, vocab 128256, tied embeddings); the draft is the target's first
+``--draft-layers`` layers with its embedding, final norm and head (no copy). Random weights give no realistic
+acceptance by themselves, so the target's later layers are damped: their attention and MLP output projections are
+scaled by a factor s, found by bisection so that the draft's teacher-forced greedy agreement with the target on a
+random sequence is ``--alpha`` (default 0.75). The target still computes every layer at full cost; only the
+numbers change. The measured alpha of the real runs is reported.
+
+When the models package provides `load_model` (Hugging Face checkpoints), the weights are made by transformers'
+`LlamaForCausalLM`, damped there, saved and loaded by `load_model`, so transformers' `generate` (target-only, and
+with ``assistant_model`` = its own first layers, k constant) runs on the same weights at batch 1. Otherwise the
+transformers rows are skipped.
+
+Per batch size: tokens/s of each path; alpha (accepted / tested drafts); c = draft step time / target step time,
+where the draft step is the propose part of a round divided by k and the target step is one target-only round
+(each timed as its own captured graph, CUDA events); the measured speedup (speculative / target-only tokens/s);
+Leviathan et al.'s prediction (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)); efficiency = measured / predicted;
+and the host share: the part of the speculative run's wall time in which no round group ran on the device.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specdec_ops.runtime.generator import Generator, GeneratorConfig, Request  # noqa: E402
+
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+                intermediate_size=8192, rope_theta=500000.0, rms_norm_eps=1e-5)
+QUICK = dict(vocab_size=2048, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=256,
+             rope_theta=10000.0, rms_norm_eps=1e-5)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="tiny shapes, batch 1 and 2, 16 + 24 tokens")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32)")
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=None)
+    p.add_argument("--new-tokens", type=int, default=None)
+    p.add_argument("--draft-layers", type=int, default=None, help="default 2 (1 with --quick)")
+    p.add_argument("--alpha", type=float, default=0.75, help="the teacher-forced agreement to calibrate to")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the rounds (default: on CUDA only)")
+    p.add_argument("--json", nargs="?", const="-", default=None, help="write JSON to this file ('-': stdout)")
+    args = p.parse_args(argv)
+    if args.k < 1:
+        p.error("--k must be >= 1")
+    if not 0 < args.alpha < 1:
+        p.error("--alpha must lie in (0, 1)")
+    return args
+
+
+# --- models -------------------------------------------------------------------------------------------------
+
+
+def _models_api():
+    try:
+        from specdec_ops.models import LlamaConfig, LlamaModel, load_model  # noqa: F401
+    except ImportError:
+        return None
+    return load_model
+
+
+def _damped_modules(layers, keep: int):
+    """The output projections of layers past `keep` (what damping scales), for our model or transformers'."""
+    weights = []
+    for layer in list(layers)[keep:]:
+        attn = getattr(layer, "self_attn", None) or getattr(layer, "attn")
+        mlp_down = layer.mlp.down_proj if hasattr(layer, "mlp") else layer.down_proj
+        weights += [attn.o_proj.weight, mlp_down.weight]
+    return weights
+
+
+@torch.no_grad()
+def _agreement(full_logits_fn, draft_logits_fn, ids) -> float:
+    return float((full_logits_fn(ids).argmax(-1) == draft_logits_fn(ids).argmax(-1)).float().mean())
+
+
+@torch.no_grad()
+def calibrate(weights, full_logits_fn, draft_logits_fn, ids, alpha: float, steps: int = 10) -> tuple[float, float]:
+    """Scales `weights` (in place) by the s in (0, 1] whose teacher-forced agreement is closest to alpha."""
+    originals = [w.clone() for w in weights]
+
+    def set_scale(s):
+        for w, o in zip(weights, originals):
+            w.copy_(o * s)
+        return _agreement(full_logits_fn, draft_logits_fn, ids)
+
+    low, high = 0.0, 1.0
+    if set_scale(1.0) >= alpha:
+        return 1.0, set_scale(1.0)
+    for _ in range(steps):
+        mid = (low + high) / 2
+        if set_scale(mid) >= alpha:
+            low = mid
+        else:
+            high = mid
+    return low, set_scale(low)
+
+
+def build_models(args, shapes: dict, dtype: torch.dtype, device: str, workdir: Path):
+    """(target, draft, hf_target or None, hf_draft or None, damping scale, calibrated agreement)."""
+    load_model = _models_api()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    calib_ids = torch.randint(0, shapes["vocab_size"], (args.prompt_len,), generator=gen).to(device)
+    if load_model is not None and not args.no_hf:
+        import transformers
+
+        hf_config = transformers.LlamaConfig(
+            vocab_size=shapes["vocab_size"], hidden_size=shapes["hidden_size"],
+            num_hidden_layers=shapes["num_layers"], num_attention_heads=shapes["num_heads"],
+            num_key_value_heads=shapes["num_kv_heads"], intermediate_size=shapes["intermediate_size"],
+            rope_theta=shapes["rope_theta"], rms_norm_eps=shapes["rms_norm_eps"], tie_word_embeddings=True,
+            max_position_embeddings=4096, torch_dtype=dtype)
+        torch.manual_seed(0)
+        hf = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=dtype).eval()
+        draft_config = dataclasses.replace(hf_config) if False else transformers.LlamaConfig(
+            **{**hf_config.to_dict(), "num_hidden_layers": args.draft_layers})
+        hf_draft = transformers.LlamaForCausalLM(draft_config).to(device=device, dtype=dtype).eval()
+        hf_draft.load_state_dict({k: v for k, v in hf.state_dict().items() if k in hf_draft.state_dict()})
+
+        def full(ids):
+            return hf(ids[None]).logits[0].float()
+
+        def part(ids):
+            return hf_draft(ids[None]).logits[0].float()
+
+        scale, agreement = calibrate(_damped_modules(hf.model.layers, args.draft_layers), full, part, calib_ids,
+                                     args.alpha)
+        path = workdir / "target"
+        hf.save_pretrained(path)
+        target = load_model(path, dtype=dtype, device=device)
+        return target, target.truncated(args.draft_layers), hf, hf_draft, scale, agreement
+    try:
+        from specdec_ops.models import LlamaConfig as Config, LlamaModel as Model
+        config = Config(**shapes, tie_word_embeddings=True, dtype=dtype)
+    except ImportError:
+        from specdec_ops.models import DraftModel as Model, DraftModelConfig as Config
+        config = Config(**shapes, dtype=dtype)
+    target = Model(config, device=device, seed=0)
+    if hasattr(target, "truncated"):
+        draft = target.truncated(args.draft_layers)
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from support import prefix_draft
+
+        draft = prefix_draft(target, args.draft_layers)
+
+    def logits(model):
+        return lambda ids: model.compute_logits(model(ids, torch.arange(ids.shape[0], device=device), None)).float()
+
+    scale, agreement = calibrate(_damped_modules(target.layers, args.draft_layers), logits(target), logits(draft),
+                                 calib_ids, args.alpha)
+    return target, draft, None, None, scale, agreement
+
+
+# --- runs ---------------------------------------------------------------------------------------------------
+
+
+def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool):
+    k = args.k
+    max_model_len = -(-(args.prompt_len + args.new_tokens + k + 1) // 16) * 16
+    config = GeneratorConfig(num_speculative_tokens=k, method="greedy", max_num_reqs=batch,
+                             max_model_len=max_model_len, block_size=16, batch_sizes=(batch,), read_every=8)
+    requests = [Request(p, args.new_tokens) for p in prompts[:batch]]
+    results = {}
+    for name, model_draft in (("plain", None), ("spec", draft)):
+        t0 = time.perf_counter()
+        generator = Generator(target, model_draft, config, device=device, compile=compile)
+        generator.warm_up()
+        split = generator.measure_split(batch, repeats=5 if device == "cuda" else 2)
+        warm = time.perf_counter() - t0
+        out = generator.generate(requests)
+        results[name] = dict(out=out, split=split, warm_up_s=warm)
+        print(f"  batch {batch} {name}: warm-up {warm:.1f} s, {out.metrics.tokens_per_s:.1f} tokens/s",
+              file=sys.stderr, flush=True)
+        del generator
+    return results
+
+
+@torch.no_grad()
+def hf_run(hf, hf_draft, prompt, args, device: str, mode: str) -> float:
+    """tokens/s of transformers' generate at batch 1 (greedy)."""
+    ids = torch.tensor([prompt], device=device)
+    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                  pad_token_id=0)
+    if mode == "static":
+        kwargs["cache_implementation"] = "static"
+    if mode == "assisted":
+        hf_draft.generation_config.num_assistant_tokens = args.k
+        hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
+        hf_draft.generation_config.assistant_confidence_threshold = 0.0
+        kwargs["assistant_model"] = hf_draft
+    hf.generate(ids, **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})  # warm up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = hf.generate(ids, **kwargs)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (out.shape[1] - ids.shape[1]) / (time.perf_counter() - start)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = args.device
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        print("bench_generate: no CUDA device; use --device cpu --quick", file=sys.stderr)
+        return 2
+    shapes = QUICK if args.quick else LLAMA_1B
+    args.prompt_len = args.prompt_len or (16 if args.quick else 128)
+    args.new_tokens = args.new_tokens or (24 if args.quick else 256)
+    args.draft_layers = args.draft_layers or (1 if args.quick else 2)
+    batches = [int(b) for b in (args.batches or ("1,2" if args.quick else "1,8,32")).split(",")]
+    compile = args.compile if args.compile is not None else device.startswith("cuda")
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as workdir:
+        target, draft, hf, hf_draft, scale, agreement = build_models(args, shapes, dtype, device, Path(workdir))
+    print(f"models ready in {time.perf_counter() - started:.1f} s; damping s = {scale:.4f}, teacher-forced "
+          f"agreement {agreement:.3f}", file=sys.stderr, flush=True)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, shapes["vocab_size"], (args.prompt_len,), generator=gen).tolist()
+               for _ in range(max(batches))]
+    rows, k = [], args.k
+    for batch in batches:
+        result = our_run(target, draft, args, batch, prompts, device, compile)
+        plain, spec = result["plain"]["out"].metrics, result["spec"]["out"].metrics
+        alpha = spec.acceptance_rate
+        c = result["spec"]["split"]["draft"] / k / result["plain"]["split"]["round"]
+        predicted = (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)) if alpha < 1 else (k + 1) / (k * c + 1)
+        measured = spec.tokens_per_s / plain.tokens_per_s
+        same = sum(a.token_ids == b.token_ids for a, b in zip(result["spec"]["out"].requests,
+                                                               result["plain"]["out"].requests))
+        row = dict(batch=batch, plain_tokens_per_s=plain.tokens_per_s, spec_tokens_per_s=spec.tokens_per_s,
+                   alpha=alpha, acceptance_per_position=spec.acceptance_per_position,
+                   mean_emitted_per_round=spec.mean_emitted_per_round, c=c, speedup=measured,
+                   predicted_speedup=predicted, efficiency=measured / predicted, host_share=spec.host_share,
+                   plain_host_share=plain.host_share, split_ms=result["spec"]["split"],
+                   plain_round_ms=result["plain"]["split"]["round"], identical_requests=f"{same}/{batch}",
+                   warm_up_s=result["spec"]["warm_up_s"] + result["plain"]["warm_up_s"])
+        if batch == 1 and hf is not None:
+            for mode in ("dynamic", "static", "assisted"):
+                try:
+                    row[f"hf_{mode}_tokens_per_s"] = hf_run(hf, hf_draft, prompts[0], args, device, mode)
+                except Exception as error:  # a transformers version without this path: report, keep going
+                    row[f"hf_{mode}_tokens_per_s"] = None
+                    row[f"hf_{mode}_error"] = f"{type(error).__name__}: {error}"[:200]
+        rows.append(row)
+    document = dict(device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+                    torch=torch.__version__, dtype=str(dtype), shapes=shapes, k=k, prompt_len=args.prompt_len,
+                    new_tokens=args.new_tokens, draft_layers=args.draft_layers, damping=scale,
+                    calibrated_agreement=agreement, compile=compile, rows=rows,
+                    total_s=time.perf_counter() - started)
+    print(markdown(document))
+    if args.json == "-":
+        print(json.dumps(document, indent=2))
+    elif args.json:
+        Path(args.json).write_text(json.dumps(document, indent=2))
+    return 0
+
+
+def markdown(doc) -> str:
+    def f(value, pattern="{:.1f}"):
+        return "-" if value is None else pattern.format(value)
+
+    lines = [f"## bench_generate: {doc['device']}, torch {doc['torch']}, {doc['dtype']}, k = {doc['k']}, "
+             f"prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, draft = target's first "
+             f"{doc['draft_layers']} layers (later layers damped by s = {doc['damping']:.4f}, teacher-forced "
+             f"agreement {doc['calibrated_agreement']:.3f})", "",
+             "| batch | target-only tok/s | speculative tok/s | alpha | mean emitted | c | speedup | predicted | "
+             "efficiency | host share | greedy identical | HF target-only tok/s (dynamic / static) | "
+             "HF assisted tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['batch']} | {f(r['plain_tokens_per_s'])} | {f(r['spec_tokens_per_s'])} | {f(r['alpha'], '{:.3f}')} "
+            f"| {f(r['mean_emitted_per_round'], '{:.2f}')} | {f(r['c'], '{:.3f}')} | {f(r['speedup'], '{:.2f}x')} | "
+            f"{f(r['predicted_speedup'], '{:.2f}x')} | {f(r['efficiency'], '{:.2f}')} | "
+            f"{f(r['host_share'], '{:.1%}')} | {r['identical_requests']} | "
+            f"{f(r.get('hf_dynamic_tokens_per_s'))} / {f(r.get('hf_static_tokens_per_s'))} | "
+            f"{f(r.get('hf_assisted_tokens_per_s'))} |")
+    lines.append("")
+    lines.append("split per round (ms): " + "; ".join(
+        f"batch {r['batch']}: draft {r['split_ms']['draft']:.3f}, target {r['split_ms']['target']:.3f}, verify "
+        f"{r['split_ms']['verify']:.3f}, whole round {r['split_ms']['round']:.3f}, target-only round "
+        f"{r['plain_round_ms']:.3f}" for r in doc["rows"]))
+    lines.append(f"total {doc['total_s']:.0f} s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
