@@ -21,7 +21,7 @@ if [[ $stage == tests || $stage == all ]]; then
   summary+=("tests (all, CUDA included): rc=$rc, $(tail -1 "$out/tests.log")")
 fi
 if [[ $stage == bench || $stage == all ]]; then
-  for bench in scripts/bench_launch.py scripts/bench_ops.py scripts/bench_samplers.py scripts/bench_verify.py scripts/bench_propose.py; do
+  for bench in scripts/bench_launch.py scripts/bench_ops.py scripts/bench_samplers.py scripts/bench_verify.py scripts/bench_propose.py scripts/bench_generate.py; do
     [[ -f $bench ]] || continue
     name=$(basename "$bench" .py)
     timeout 300 python3 "$bench" ${BENCH_ARGS:-} >"$out/$name.md" 2>&1

@@ -160,6 +160,8 @@ class SyntheticTarget:
 def prefix_draft(target: nn.Module, num_layers: int) -> nn.Module:
     """A `DraftModel` made of the target's embedding, first `num_layers` decoder layers, final norm and head
     (shared modules, no copy): a cheap draft whose acceptance against its target is well above random."""
+    if hasattr(target, "truncated"):
+        return target.truncated(num_layers)
     import dataclasses
 
     from specdec_ops.models import DraftModel

@@ -347,3 +347,43 @@ def test_cuda_rounds_do_not_sync():
         length = int(generator.length[slot])
         got = generator.tokens_2d[slot, len(request.prompt_ids):length].tolist()
         assert got == greedy_reference(target, request.prompt_ids, len(got))
+
+
+# --- the command ----------------------------------------------------------------------------------------------
+
+
+def test_command_json_on_the_random_model(capsys):
+    import json
+
+    from specdec_ops.generate import main
+
+    argv = ["--target", "random", "--prompt-ids", "1,2,3", "--prompt-ids", "4,5,6,7,8", "--prompt-ids", "9",
+            "--max-new-tokens", "6", "--k", "2", "--draft-layers", "2", "--batch-sizes", "2", "--json"]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert [r["prompt_token_ids"] for r in document["requests"]] == [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    for entry in document["requests"]:
+        assert len(entry["token_ids"]) == 6 and entry["finish_reason"] == "max_tokens"
+        assert entry["matches_target_only"] and entry["text"] == " ".join(map(str, entry["token_ids"]))
+    assert document["speculative"]["generated_tokens"] == 18 == document["target_only"]["generated_tokens"]
+    assert len(document["speculative"]["acceptance_per_position"]) == 2
+    assert document["config"]["method"] == "greedy" and document["config"]["batch_sizes"] == [2]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--k", "0"], "expected an integer >= 1"),
+    (["--temperature", "-1"], "expected a finite number >= 0"),
+    (["--temperature", "nan"], "expected a finite number >= 0"),
+    (["--max-new-tokens", "0"], "expected an integer >= 1"),
+    (["--batch-sizes", "2,x"], "comma-separated integers"),
+    (["--method", "greedy", "--temperature", "0.5"], "--method greedy verifies by argmax"),
+    (["--seed", "-3"], r"in \[0, 2\*\*63\)"),
+    (["--target", "random", "--prompt", "hi"], "has no tokenizer"),
+])
+def test_command_refuses_bad_flags(argv, message, capsys):
+    from specdec_ops.generate import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message.replace("\\", "") in capsys.readouterr().err or pytest.fail(f"no {message!r} in the error")
