@@ -446,8 +446,11 @@ class Generator:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def measure_split(self, batch: int, repeats: int = 10) -> dict[str, float]:
+    def measure_split(self, batch: int, repeats: int = 10,
+                      parts: Sequence[str] = ("draft", "target", "verify")) -> dict[str, float]:
         """Per-round milliseconds of the draft, target and verification parts at padded size `batch`.
+
+        `parts` picks which of them to time (each costs one more compile per size); the whole round always is.
 
         Each part is its own step (compiled and graph-captured as the round is) over the same buffers, run with no
         live row (rows still compute at the padded size; only their writes are masked), timed by CUDA events
@@ -480,6 +483,8 @@ class Generator:
         parts = {"round": self.runner}
         if self.speculative:
             for name, fn in (("draft", draft_part), ("target", target_part), ("verify", verify_part)):
+                if name not in parts:
+                    continue
                 if name not in self._split_runners:
                     self._split_runners[name] = StepGraphs(
                         fn, device=self.device, compile=self.compile, cuda_graphs=self.cuda_graphs,
