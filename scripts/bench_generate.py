@@ -26,7 +26,6 @@ and the host share: the part of the speculative run's wall time in which no roun
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import tempfile
@@ -131,8 +130,7 @@ def build_models(args, shapes: dict, dtype: torch.dtype, device: str, workdir: P
             max_position_embeddings=4096, torch_dtype=dtype)
         torch.manual_seed(0)
         hf = transformers.LlamaForCausalLM(hf_config).to(device=device, dtype=dtype).eval()
-        draft_config = dataclasses.replace(hf_config) if False else transformers.LlamaConfig(
-            **{**hf_config.to_dict(), "num_hidden_layers": args.draft_layers})
+        draft_config = transformers.LlamaConfig(**{**hf_config.to_dict(), "num_hidden_layers": args.draft_layers})
         hf_draft = transformers.LlamaForCausalLM(draft_config).to(device=device, dtype=dtype).eval()
         hf_draft.load_state_dict({k: v for k, v in hf.state_dict().items() if k in hf_draft.state_dict()})
 

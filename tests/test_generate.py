@@ -407,3 +407,13 @@ def test_command_refuses_bad_flags(argv, message, capsys):
         main(argv)
     assert exit_info.value.code == 2
     assert message.replace("\\", "") in capsys.readouterr().err or pytest.fail(f"no {message!r} in the error")
+
+
+def test_chunked_prefill_gives_the_same_tokens(target, draft, monkeypatch, joined_requests):
+    from specdec_ops.runtime import generator as generator_module
+
+    requests, want, _ = joined_requests
+    monkeypatch.setattr(generator_module, "PREFILL_CHUNK", 3)  # every prompt over 3 tokens is chunked
+    out = Generator(target, draft, small_config(2), device="cpu", compile=False).generate(requests)
+    assert [r.token_ids for r in out.requests] == want
+    assert max(len(r.prompt_ids) for r in requests) > 6

@@ -8,8 +8,8 @@ device flag ``active[slot]`` says which rows are live, so requests joining and l
 only, never shapes (no recompilation, no re-recording).
 
 Prefill (host-driven, eager, outside the round graph): when a request takes a free slot it gets all the KV
-blocks it can ever need, the target runs its prompt through the target cache and samples the first token, and
-the draft runs the prompt minus its last token through the draft cache. The slot's device state is then set:
+blocks it can ever need, the target runs its prompt through the target cache (in chunks of PREFILL_CHUNK tokens)
+and samples the first token, and the draft runs the prompt minus its last token through the draft cache. The slot's device state is then set:
 its tokens, ``length`` (prompt + generated), ``cap`` (where it stops), ``last_token`` and the proposer's query
 for the first round: [last prompt token, k placeholders] at the last prompt position with all k "rejected", so
 the proposer's step 0 writes the last prompt token's draft KV, then the first token's, and drafts from there.
@@ -73,6 +73,8 @@ STOP_NAMES = {STOP_EOS: "eos", STOP_MAX_TOKENS: "max_tokens", STOP_LENGTH: "leng
 # position plus this offset: the draft draws at the positions of the tokens it is fed, and a shared random number
 # would correlate a draft with the token it continues, which biases rejection sampling.
 TARGET_STREAM_OFFSET = 1 << 40
+# Prompt tokens per prefill forward: longer prompts are prefilled in chunks (bounds the attention's [T, C] work).
+PREFILL_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -590,14 +592,17 @@ class Generator:
         return stop == RUNNING
 
     def _prefill(self, model, kv_caches, slot: int, ids, positions, sample: _Prepared | None = None):
-        """One sequence's prompt through `model`'s paged cache (eager); with `sample`, its first token (an int)."""
+        """One sequence's prompt through `model`'s paged cache (eager, in chunks of PREFILL_CHUNK tokens, each
+        attending to the cache the earlier ones wrote); with `sample`, its first token (an int)."""
         rows = self.block_table.tensor[slot: slot + 1].long()
-        token_rows = torch.zeros_like(positions)
-        metadata = AttentionMetadata(kv_caches, slot_mapping(rows[token_rows], positions, self.block_size,
-                                                             self.max_model_len),
-                                     rows, token_rows, torch.full_like(positions, positions.shape[0]),
-                                     self.block_size)
-        hidden = model(ids, positions, metadata)
+        hidden = None
+        for begin in range(0, positions.shape[0], PREFILL_CHUNK):
+            chunk = positions[begin: begin + PREFILL_CHUNK]
+            token_rows = torch.zeros_like(chunk)
+            metadata = AttentionMetadata(
+                kv_caches, slot_mapping(rows[token_rows], chunk, self.block_size, self.max_model_len), rows,
+                token_rows, torch.full_like(chunk, begin + chunk.shape[0]), self.block_size)
+            hidden = model(ids[begin: begin + PREFILL_CHUNK], chunk, metadata)
         if sample is None:
             return None
         logits = model.compute_logits(hidden[-1:]).float()
