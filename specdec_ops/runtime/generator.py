@@ -482,7 +482,7 @@ class Generator:
                 probs = self.proposer.draft_probs[:b] if self.proposer.with_probs else None
                 self._verify_part(b, self.active[:b], inputs, drafts, probs, self._split_logits[:b])
 
-        parts = {"round": self.runner}
+        runners = {"round": self.runner}
         if self.speculative:
             for name, fn in (("draft", draft_part), ("target", target_part), ("verify", verify_part)):
                 if name not in parts:
@@ -491,9 +491,9 @@ class Generator:
                     self._split_runners[name] = StepGraphs(
                         fn, device=self.device, compile=self.compile, cuda_graphs=self.cuda_graphs,
                         num_sizes=len(self.batch_sizes), owner="Generator.measure_split")
-                parts[name] = self._split_runners[name]
+                runners[name] = self._split_runners[name]
         result = {}
-        for name, runner in parts.items():
+        for name, runner in runners.items():
             runner.run(batch)  # compile / capture outside the timing
             self._sync()
             result[name] = self._time(lambda: runner.run(batch), repeats)
