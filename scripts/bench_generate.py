@@ -317,7 +317,8 @@ def markdown(doc) -> str:
             f"{f(r.get('hf_dynamic_tokens_per_s'))} / {f(r.get('hf_static_tokens_per_s'))} | "
             f"{f(r.get('hf_assisted_tokens_per_s'))} |")
     lines.append("")
-    lines.append("split per round (ms, CUDA events around 5 replays of each part's own graph): " + "; ".join(
+    lines.append("split per round (ms; each part is its own compiled graph, timed over 5 replays by CUDA events, "
+                 "by the wall clock on CPU): " + "; ".join(
         f"batch {r['batch']}: " + ", ".join(f"{name} {ms:.3f}" for name, ms in r["split_ms"].items())
         + f", target-only round {r['plain_round_ms']:.3f}" for r in doc["rows"]))
     lines.append(f"total {doc['total_s']:.0f} s")

@@ -9,10 +9,10 @@ only, never shapes (no recompilation, no re-recording).
 
 Prefill (host-driven, eager, outside the round graph): when a request takes a free slot it gets all the KV
 blocks it can ever need, the target runs its prompt through the target cache (in chunks of PREFILL_CHUNK tokens)
-and samples the first token, and the draft runs the prompt minus its last token through the draft cache. The slot's device state is then set:
-its tokens, ``length`` (prompt + generated), ``cap`` (where it stops), ``last_token`` and the proposer's query
-for the first round: [last prompt token, k placeholders] at the last prompt position with all k "rejected", so
-the proposer's step 0 writes the last prompt token's draft KV, then the first token's, and drafts from there.
+and samples the first token, and the draft runs the prompt minus its last token through the draft cache. The
+slot's device state is then set: its tokens, ``length`` (prompt + generated), ``cap`` (where it stops),
+``last_token`` and the proposer's query for the first round: [last prompt token, k placeholders] at the last
+prompt position with all k "rejected", so the proposer's step 0 writes the last prompt token's draft KV, then the first token's, and drafts from there.
 
 A speculative round (`_round`, one torch.compile(fullgraph) graph and, on CUDA, one CUDA graph per B):
 
