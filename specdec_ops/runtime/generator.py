@@ -12,7 +12,8 @@ blocks it can ever need, the target runs its prompt through the target cache (in
 and samples the first token, and the draft runs the prompt minus its last token through the draft cache. The
 slot's device state is then set: its tokens, ``length`` (prompt + generated), ``cap`` (where it stops),
 ``last_token`` and the proposer's query for the first round: [last prompt token, k placeholders] at the last
-prompt position with all k "rejected", so the proposer's step 0 writes the last prompt token's draft KV, then the first token's, and drafts from there.
+prompt position with all k "rejected", so the proposer's step 0 writes the last prompt token's draft KV, then
+the first token's, and drafts from there.
 
 A speculative round (`_round`, one torch.compile(fullgraph) graph and, on CUDA, one CUDA graph per B):
 
