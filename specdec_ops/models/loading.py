@@ -254,7 +254,7 @@ def _load_gguf(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
             raise ValueError(f"load_model: {path} has no tensor {gguf_name} (the config "
                              f"{config.architecture} with {config.num_layers} layers needs it)")
         values = gguf.quants.dequantize(t.data, t.tensor_type)
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+        return torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
 
     def read_rope(gguf_name: str, heads: int) -> torch.Tensor:
         tensor = read(gguf_name)
