@@ -9,6 +9,7 @@
   about 40), and greedy continuations through our paged path equal transformers' greedy `generate`.
 - Every loader error names what is wrong.
 """
+import dataclasses
 import json
 
 import pytest
@@ -239,6 +240,82 @@ def test_loads_sharded_checkpoint_and_half_dtypes(hf_checkpoint, tmp_path):
         assert half.embed_tokens.weight.dtype == (torch.bfloat16 if dtype is torch.bfloat16 else torch.float16)
 
 
+def write_gguf_like_llama_cpp(hf, path):
+    """A float32 GGUF of a transformers model, laid out as llama.cpp's converter does: llama q/k rows permuted
+    into its rope layout, Llama 3 rope scaling as rope_freqs divisors, no output.weight when tied."""
+    gguf = pytest.importorskip("gguf")
+    from specdec_ops.models.llama import rotary_inv_freq
+
+    c = hf.config
+    arch = "qwen2" if c.model_type == "qwen2" else "llama"
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.num_hidden_layers)
+    writer.add_context_length(c.max_position_embeddings)
+    writer.add_embedding_length(c.hidden_size)
+    writer.add_feed_forward_length(c.intermediate_size)
+    writer.add_head_count(c.num_attention_heads)
+    writer.add_head_count_kv(c.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = getattr(c, "rope_parameters", None) or {"rope_theta": c.rope_theta}
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_vocab_size(c.vocab_size)
+
+    def permute(w, heads):
+        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    def add(name, tensor):
+        writer.add_tensor(name, tensor.detach().float().numpy().copy())
+
+    sd = hf.state_dict()
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    if not c.tie_word_embeddings:
+        add("output.weight", sd["lm_head.weight"])
+    if rope.get("rope_type") == "llama3":
+        ours = LlamaConfig(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
+                           num_kv_heads=c.num_key_value_heads, head_size=head_dim, rope_theta=rope["rope_theta"])
+        base = rotary_inv_freq(ours)
+        scaled = rotary_inv_freq(dataclasses.replace(ours, rope_scaling=dict(rope)))
+        add("rope_freqs.weight", (base / scaled).float())
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for ours_name, hf_name, heads in (("attn_q", "q_proj", c.num_attention_heads),
+                                          ("attn_k", "k_proj", c.num_key_value_heads), ("attn_v", "v_proj", None)):
+            for kind in ("weight", "bias"):
+                tensor = sd.get(f"{p}self_attn.{hf_name}.{kind}")
+                if tensor is None:
+                    continue
+                if arch == "llama" and heads is not None:
+                    tensor = permute(tensor, heads)
+                add(f"blk.{i}.{ours_name}.{kind}", tensor)
+        add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        add(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+        add(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        add(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+        add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_written_like_llama_cpp_matches_transformers(hf_checkpoint, tmp_path):
+    # The GGUF path on every case: un-permuted llama q/k rows, qwen2 biases, rope_freqs, tied heads.
+    name, _, hf = hf_checkpoint
+    model = load_model(write_gguf_like_llama_cpp(hf, tmp_path / f"{name}.gguf"))
+    assert model.config.tie_word_embeddings == hf.config.tie_word_embeddings
+    assert model.config.architecture == ("Qwen2ForCausalLM" if name.startswith("qwen2") else "LlamaForCausalLM")
+    for ids in random_sequences(hf.config.vocab_size, seed=7)[:2]:
+        with torch.no_grad():
+            ours = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))
+        torch.testing.assert_close(ours, hf_logits(hf, ids), atol=LOGITS_ATOL, rtol=0)
+
+
 # --- loader errors -------------------------------------------------------------------------------------------
 
 
@@ -374,6 +451,19 @@ def test_smollm2_config_and_tokenizer(smollm2):
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in text
     assert tokenizer.decode(tokenizer.encode("Paris is nice.")) == "Paris is nice."
+
+
+def test_tokenizer_from_a_checkpoint_directory(smollm2, tmp_path):
+    # The GGUF's tokenizer saved as a Hugging Face directory (tokenizer.json + config) loads the same.
+    _, tokenizer, _ = smollm2
+    tokenizer._tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "tokenizer.json").is_file()
+    again = load_tokenizer(tmp_path)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert again.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
+    text = "Speculative decoding, exactly: 12 tokens/s -> 40!"
+    assert again.encode(text) == tokenizer.encode(text) and again.decode(again.encode(text)) == text
+    assert (again.eos_token_id, again.vocab_size) == (tokenizer.eos_token_id, tokenizer.vocab_size)
 
 
 def test_smollm2_logits_match_transformers(smollm2):

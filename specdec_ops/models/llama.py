@@ -46,7 +46,8 @@ class LlamaConfig:
 
     head_size defaults to hidden_size // num_heads (checkpoints may set it, as ``head_dim``). rope_scaling is
     None (plain rotary), or a dict with ``rope_type`` "llama3" (factor, low_freq_factor, high_freq_factor,
-    original_max_position_embeddings) or "linear" (factor).
+    original_max_position_embeddings) or "linear" (factor). eos_token_id is the checkpoint's first end-of-sequence
+    id, eos_token_ids all of them.
     """
 
     vocab_size: int = 512
@@ -64,6 +65,7 @@ class LlamaConfig:
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # every id that ends generation (Llama 3 lists several)
     max_position_embeddings: int | None = None
     architecture: str = "LlamaForCausalLM"
 

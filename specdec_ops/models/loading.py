@@ -68,8 +68,7 @@ def config_from_hf(hf: dict, *, dtype: torch.dtype | None = None, source: str = 
     if dtype is None:
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     eos = hf.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     return LlamaConfig(
         vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
         num_heads=int(hf["num_attention_heads"]),
@@ -80,7 +79,7 @@ def config_from_hf(hf: dict, *, dtype: torch.dtype | None = None, source: str = 
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; Llama has them when attention_bias is set.
         attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=eos_ids[0] if eos_ids else None, eos_token_ids=eos_ids,
         max_position_embeddings=hf.get("max_position_embeddings"), architecture=arch)
 
 
@@ -213,6 +212,7 @@ def config_from_gguf(reader, *, dtype: torch.dtype, source: str) -> LlamaConfig:
         vocab = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     head_size = _gguf_field(reader, f"{arch}.attention.key_length") or hidden // heads
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     scaling = None
     scaling_kind = _gguf_field(reader, f"{arch}.rope.scaling.type")
     if scaling_kind == "linear":
@@ -229,7 +229,7 @@ def config_from_gguf(reader, *, dtype: torch.dtype, source: str) -> LlamaConfig:
         rope_scaling=scaling, tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        eos_token_id=eos, eos_token_ids=() if eos is None else (int(eos),),
         max_position_embeddings=_gguf_field(reader, f"{arch}.context_length"),
         architecture="Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM")
 
