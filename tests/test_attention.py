@@ -139,3 +139,11 @@ def test_bf16_matches_reference_on_cuda(uniform):
     torch.cuda.synchronize()
     torch.testing.assert_close(got[:live].float(), want[:live].float(), atol=2e-2, rtol=0)
     assert (got[live:] == 0).all()
+
+
+def test_long_uniform_queries_fall_back_to_ragged_tiles():
+    # 40 tokens per row x 4 query heads per KV head exceed one tile: the uniform layout takes the ragged tiling.
+    assert launch_plan(80, 8, 2, 16, 64, 40)["tile_tokens"] != 40
+    batch, live = make_batch(query_lens=[40, 40], context_lens=[40, 57], heads=8, kv_heads=2, head_size=16,
+                             block_size=8, blocks_per_row=8, num_pad_tokens=0)
+    check(batch, live, 40, 1e-5)

@@ -34,6 +34,9 @@ TARGET_PROGRAMS = 512
 MAX_SPLITS = 32
 # The shortest context split worth a program.
 MIN_SPLIT_LEN = 256
+# Query rows (tokens x query heads of one KV head) of a tile at most, before a uniform layout falls back to the
+# ragged tiling (register pressure).
+MAX_TILE_ROWS = 128
 
 
 def _check_inputs(q, kv_cache, block_tables, token_rows, positions, seq_lens, block_size):
@@ -237,8 +240,8 @@ def launch_plan(num_tokens: int, num_heads: int, kv_heads: int, head_size: int, 
                 uniform_query_len: int) -> dict:
     """Static tiling of one launch (from shapes only, so traced graphs stay static)."""
     group = num_heads // kv_heads
-    if uniform_query_len > 0:
-        tile_tokens = uniform_query_len
+    if 0 < uniform_query_len and uniform_query_len * group <= MAX_TILE_ROWS:
+        tile_tokens = uniform_query_len  # one request row per tile
     else:
         tile_tokens = max(1, 64 // _next_power_of_2(group))
     block_m = max(16, _next_power_of_2(tile_tokens * group))
@@ -251,8 +254,9 @@ def launch_plan(num_tokens: int, num_heads: int, kv_heads: int, head_size: int, 
         splits = min(MAX_SPLITS, -(-TARGET_PROGRAMS // programs), max(1, context_len // MIN_SPLIT_LEN))
     split_len = -(-(-(-context_len // splits)) // block_n) * block_n
     splits = max(1, -(-context_len // split_len)) if context_len > 0 else 1
+    num_warps = 8 if block_m * block_d >= 8192 else 4
     return dict(group=group, tile_tokens=tile_tokens, block_m=block_m, block_d=block_d, block_n=block_n,
-                tiles=tiles, splits=splits, split_len=split_len)
+                tiles=tiles, splits=splits, split_len=split_len, num_warps=num_warps)
 
 
 def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -292,7 +296,7 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         block_tables.stride(0), out.stride(0), out.stride(1), float(scale),
         GROUP=plan["group"], HEAD_SIZE=head_size, BLOCK_D=plan["block_d"], TILE_TOKENS=plan["tile_tokens"],
         BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=splits,
-        FP32=q.dtype == torch.float32, num_warps=4)
+        FP32=q.dtype == torch.float32, num_warps=plan["num_warps"])
     if splits > 1:
         wrap_triton(_combine_splits_kernel)[(tokens, heads)](
             part_acc, part_max, part_sum, out, tokens, heads, out.stride(0), out.stride(1),
