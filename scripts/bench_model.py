@@ -23,7 +23,7 @@ combination whose KV cache would not fit in memory.
 
     python scripts/bench_model.py                        # the H200 run (about 4 minutes)
     python scripts/bench_model.py --device cpu --quick   # a tiny check on CPU (eager, wall-clock timing)
-    options: --models target draft --batches 1 8 32 128 --contexts 512 4096 --backend triton|reference
+    options: --models target draft --steps decode verify --batches 1 8 32 128 --contexts 512 4096 --backend triton|reference
              --no-hf --hf-compile-batches 1 8 --json
 """
 from __future__ import annotations
@@ -235,6 +235,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny models and sizes (for a CPU check)")
     parser.add_argument("--models", nargs="*", default=["target", "draft"], choices=["target", "draft"])
+    parser.add_argument("--steps", nargs="*", default=["decode", "verify"], choices=["decode", "verify"])
     parser.add_argument("--batches", type=int, nargs="*", default=None)
     parser.add_argument("--contexts", type=int, nargs="*", default=None)
     parser.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"],
@@ -279,6 +280,8 @@ def main() -> None:
                 notes.append(f"transformers unavailable: {type(error).__name__}: {error}")
                 hf = None
         for query_len, step_name in ((1, "decode"), (VERIFY_TOKENS, "verify")):
+            if step_name not in args.steps:
+                continue
             for batch in batches:
                 label = f"{name} {step_name} batch {batch}"
                 if time.perf_counter() - started > args.budget_s:
