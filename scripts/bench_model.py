@@ -23,7 +23,8 @@ combination whose KV cache would not fit in memory.
 
     python scripts/bench_model.py                        # the H200 run (about 4 minutes)
     python scripts/bench_model.py --device cpu --quick   # a tiny check on CPU (eager, wall-clock timing)
-    options: --models target draft --steps decode verify --batches 1 8 32 128 --contexts 512 4096 --backend triton|reference
+    options: --models target draft --steps decode verify --batches 1 8 32 128 --contexts 512 4096
+             --backend auto|triton|reference
              --no-hf --hf-compile-batches 1 8 --json
 """
 from __future__ import annotations

@@ -40,9 +40,10 @@ def make_batch(*, query_lens, context_lens, heads, kv_heads, head_size, block_si
     cache = torch.randn(num_blocks * block_size, 2, kv_heads, head_size, generator=gen).to(dtype)
     q = torch.randn(tokens, heads, head_size, generator=gen).to(dtype)
     t = lambda v, dt: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
-    return dict(q=q.to(device), kv_cache=cache.to(device), block_tables=tables.to(device),
-                token_rows=t(rows, torch.int64), positions=t(positions, torch.int64),
-                seq_lens=t(seq_lens, torch.int32), block_size=block_size, scale=head_size ** -0.5), tokens - num_pad_tokens
+    batch = dict(q=q.to(device), kv_cache=cache.to(device), block_tables=tables.to(device),
+                 token_rows=t(rows, torch.int64), positions=t(positions, torch.int64),
+                 seq_lens=t(seq_lens, torch.int32), block_size=block_size, scale=head_size ** -0.5)
+    return batch, tokens - num_pad_tokens
 
 
 def check(batch, live, uniform_query_len, atol):

@@ -352,7 +352,9 @@ def test_loader_errors(hf_checkpoint, tmp_path):
     with pytest.raises(ValueError, match=r"`architectures` is \['MistralForCausalLM'\]"):
         load_model(mistral)
     wider = copy("wider", edit=lambda c: c.update(intermediate_size=96))
-    with pytest.raises(ValueError, match=r"gate_up_proj.weight has shape \(160, 48\), the config expects \(192, 48\)"):
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_proj.weight \(80, 48\) \+ "
+                       r"model.layers.0.mlp.up_proj.weight \(80, 48\) gives layers.0.gate_up_proj.weight shape "
+                       r"\(160, 48\), the config expects \(192, 48\)"):
         load_model(wider)
     deeper = copy("deeper", edit=lambda c: c.update(num_hidden_layers=3))
     with pytest.raises(ValueError, match="no tensor model.layers.2"):
@@ -388,7 +390,8 @@ def test_gguf_loader_errors(tmp_path):
         load_model(write("gpt2.gguf", "gpt2", {"token_embd.weight": (11, 8)}))
     with pytest.raises(ValueError, match=r"has no tensor blk\.0\.attn_norm\.weight"):
         load_model(write("missing.gguf", "llama", {"token_embd.weight": (11, 8)}))
-    with pytest.raises(ValueError, match=r"embed_tokens.weight has shape \(12, 8\), the config expects \(11, 8\)"):
+    with pytest.raises(ValueError, match=r"token_embd.weight \(12, 8\) gives embed_tokens.weight shape \(12, 8\), "
+                       r"the config expects \(11, 8\)"):
         load_model(write("shape.gguf", "llama", {"token_embd.weight": (12, 8)}))
 
 

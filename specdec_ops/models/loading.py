@@ -86,14 +86,30 @@ def config_from_hf(hf: dict, *, dtype: torch.dtype | None = None, source: str = 
 # --- filling a model -----------------------------------------------------------------------------------------
 
 
-def _fill_model(model: LlamaModel, get: Callable[[str], torch.Tensor], source: str) -> None:
-    """Copies every parameter of `model` from ``get(our_name)`` (which raises for a missing tensor)."""
+class _TensorReader:
+    """Reads checkpoint tensors by name and remembers which (with their shapes) went into the current parameter."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor]):
+        self._read = read
+        self.read_names: list[str] = []
+
+    def __call__(self, name: str) -> torch.Tensor:
+        tensor = self._read(name)
+        self.read_names.append(f"{name} {tuple(tensor.shape)}")
+        return tensor
+
+
+def _fill_model(model: LlamaModel, get: Callable[[str], torch.Tensor], reader: _TensorReader,
+                source: str) -> None:
+    """Copies every parameter of `model` from ``get(our_name)`` (which reads through `reader` and raises for a
+    missing tensor); a shape that does not match the config names the checkpoint tensors and both shapes."""
     with torch.no_grad():
         for name, param in model.named_parameters():
+            reader.read_names.clear()
             tensor = get(name)
             if tuple(tensor.shape) != tuple(param.shape):
-                raise ValueError(f"{source}: tensor for {name} has shape {tuple(tensor.shape)}, the config "
-                                 f"expects {tuple(param.shape)}")
+                raise ValueError(f"load_model: {source}: checkpoint tensor {' + '.join(reader.read_names)} gives "
+                                 f"{name} shape {tuple(tensor.shape)}, the config expects {tuple(param.shape)}")
             param.copy_(tensor.to(param.dtype))
 
 
@@ -133,11 +149,13 @@ def _load_hf_dir(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
     if shard_of is None:
         shard_of = {k: single.name for k in handles[single].keys()}
 
-    def read(hf_name: str) -> torch.Tensor:
+    def read_tensor(hf_name: str) -> torch.Tensor:
         if hf_name not in shard_of:
             raise ValueError(f"load_model: {path} has no tensor {hf_name} (the config "
                              f"{config.architecture} with {config.num_layers} layers needs it)")
         return handles[path / shard_of[hf_name]].get_tensor(hf_name)
+
+    read = _TensorReader(read_tensor)
 
     def get(name: str) -> torch.Tensor:
         if name == "embed_tokens.weight":
@@ -164,7 +182,7 @@ def _load_hf_dir(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
         raise AssertionError(f"unmapped parameter {name}")
 
     model = LlamaModel(config, device=device, init_weights=False)
-    _fill_model(model, get, str(path))
+    _fill_model(model, get, read, str(path))
     return model
 
 
@@ -248,13 +266,15 @@ def _load_gguf(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
     by_name = {t.name: t for t in reader.tensors}
     arch = _gguf_field(reader, "general.architecture")
 
-    def read(gguf_name: str) -> torch.Tensor:
+    def read_tensor(gguf_name: str) -> torch.Tensor:
         t = by_name.get(gguf_name)
         if t is None:
             raise ValueError(f"load_model: {path} has no tensor {gguf_name} (the config "
                              f"{config.architecture} with {config.num_layers} layers needs it)")
         values = gguf.quants.dequantize(t.data, t.tensor_type)
         return torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
+
+    read = _TensorReader(read_tensor)
 
     def read_rope(gguf_name: str, heads: int) -> torch.Tensor:
         tensor = read(gguf_name)
@@ -284,7 +304,7 @@ def _load_gguf(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
         raise AssertionError(f"unmapped parameter {name}")
 
     model = LlamaModel(config, device=device, init_weights=False)
-    _fill_model(model, get, str(path))
+    _fill_model(model, get, read, str(path))
     if "rope_freqs.weight" in by_name:
         # Llama 3.1 GGUF files carry their rope scaling as per-frequency divisors.
         factors = read("rope_freqs.weight").double()
