@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import inspect
 import json
-import math
 import statistics
 import sys
 import time

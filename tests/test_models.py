@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from conftest import HAS_CUDA, sync_forbidden
+from conftest import sync_forbidden
 from specdec_ops.models import (AttentionMetadata, LlamaConfig, LlamaModel, check_draft_matches_target,
                                 load_model, load_tokenizer, smollm2_gguf_path)
 from specdec_ops.runtime import BlockPool
