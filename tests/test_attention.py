@@ -111,6 +111,9 @@ def test_op_traces_fullgraph_and_matches_reference():
     want = paged_attention_reference(**batch)
     torch.testing.assert_close(eager[:live], want[:live], atol=1e-5, rtol=0)
     torch.testing.assert_close(compiled[:live], want[:live], atol=1e-5, rtol=0)
+    # Schema, fake kernel and AOT dispatch of the registered op (on CUDA: the Triton path's fake).
+    results = torch.library.opcheck(torch.ops.specdec_models.paged_attention.default, args)
+    assert all(v == "SUCCESS" for v in results.values()), results
 
 
 def test_bad_inputs_raise():
