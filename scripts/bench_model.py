@@ -99,9 +99,10 @@ def set_context(buffers, metadata: AttentionMetadata, query_len: int, context: i
 def time_step(step, device, quick: bool) -> float:
     """Milliseconds per call: GPU time of a replayed CUDA graph on CUDA, host wall-clock on CPU."""
     if device.type != "cuda":
-        step()
+        for _ in range(3):
+            step()
         samples = []
-        for _ in range(3 if quick else 10):
+        for _ in range(5 if quick else 10):
             start = time.perf_counter()
             step()
             samples.append((time.perf_counter() - start) * 1e3)
@@ -185,8 +186,11 @@ def hf_decode_ms(hf, batch: int, context: int, compile_it: bool, device, quick: 
     cache = transformers.StaticCache(config=hf.config, max_cache_len=context)
     ids = torch.randint(0, hf.config.vocab_size, (batch, 1), device=device)
     position_ids = torch.full((batch, 1), context - 1, device=device)
-    kwargs = dict(input_ids=ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
-    if "cache_position" in inspect.signature(hf.model.forward).parameters:
+    forward_params = inspect.signature(hf.forward).parameters
+    # transformers renamed past_key_values to cache (5.2x); pass the name this version takes.
+    cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+    kwargs = dict(input_ids=ids, position_ids=position_ids, use_cache=True, **{cache_kwarg: cache})
+    if "cache_position" in forward_params or "cache_position" in inspect.signature(hf.model.forward).parameters:
         kwargs["cache_position"] = torch.tensor([context - 1], device=device)
 
     def eager():
