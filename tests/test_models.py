@@ -598,3 +598,13 @@ def test_cuda_triton_backend_compiled_graph_matches_reference(query_len):
     torch.cuda.synchronize()
     assert counters["inductor"]["cudagraph_skips"] == skips
     assert_bf16_close(again[:live], want_bf16[:live], want_fp32[:live])
+
+
+def test_auto_attention_backend_choice():
+    # auto: the Triton kernel on CUDA for float32/16/bf16 models; the reference on CPU and for float64 models.
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert LlamaModel(LlamaConfig(dtype=torch.float32))._backend(cuda) == "triton"
+    assert LlamaModel(LlamaConfig(dtype=torch.bfloat16))._backend(cuda) == "triton"
+    assert LlamaModel(LlamaConfig(dtype=torch.float64))._backend(cuda) == "reference"
+    assert LlamaModel(LlamaConfig(dtype=torch.float32))._backend(cpu) == "reference"
+    assert LlamaModel(attention_backend="triton")._backend(cpu) == "triton"

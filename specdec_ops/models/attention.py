@@ -19,8 +19,8 @@ where context position c of token t lives at cache slot
   are split (flash-decoding) and the partial results combined by a second kernel. A token with no visible
   position gets zeros.
 - `torch.ops.specdec_models.paged_attention`: the op models call; a `torch.library.triton_op`, so
-  torch.compile(fullgraph=True) traces into the kernels and CUDA graphs capture them. On other devices than
-  CUDA it runs the reference.
+  torch.compile(fullgraph=True) traces into the kernels and CUDA graphs capture them. Off CUDA, and for dtypes
+  other than float32/float16/bfloat16, it runs the reference.
 """
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+# What the kernel takes (it accumulates in float32); other dtypes run the reference.
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Aim for about this many programs per launch before splitting the context (a few waves on an H200's 132 SMs).
 TARGET_PROGRAMS = 512
 MAX_SPLITS = 32
@@ -269,6 +271,8 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     through the interpreter, TRITON_INTERPRET=1). Returns [T, heads, d] in q's dtype.
     """
     _check_inputs(q, kv_cache, block_tables, token_rows, positions, seq_lens, block_size)
+    if q.dtype not in KERNEL_DTYPES:
+        raise ValueError(f"paged_attention_triton: q must be float32, float16 or bfloat16, got {q.dtype}")
     tokens, heads, head_size = q.shape
     kv_heads = kv_cache.shape[2]
     q = q.contiguous()
@@ -311,7 +315,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                     block_size: int, scale: float, uniform_query_len: int) -> torch.Tensor:
     """Paged attention: the Triton kernels on CUDA, the reference elsewhere (arguments as
     `paged_attention_triton`)."""
-    if q.device.type != "cuda":
+    if q.device.type != "cuda" or q.dtype not in KERNEL_DTYPES:
         return paged_attention_reference(q, kv_cache, block_tables, token_rows, positions, seq_lens,
                                          block_size, scale)
     return paged_attention_triton(q, kv_cache, block_tables, token_rows, positions, seq_lens, block_size,

@@ -19,7 +19,7 @@ into the cache tensor), then attends through `attention.py`, chosen by ``attenti
   context rows per layer.
 - ``"triton"``: ``torch.ops.specdec_models.paged_attention``, the Triton kernel on CUDA that reads the cache
   in place (the reference on other devices).
-- ``"auto"`` (default): triton on CUDA, reference elsewhere.
+- ``"auto"`` (default): triton on CUDA for float32/float16/bfloat16 models, reference otherwise (CPU, float64).
 
 With ``attn_metadata=None`` the model runs dense causal attention over one whole sequence and keeps no cache:
 the cache-free statement of what the paged path must compute.
@@ -268,7 +268,9 @@ class LlamaModel(nn.Module):
 
     def _backend(self, device: torch.device) -> str:
         if self.attention_backend == "auto":
-            return "triton" if device.type == "cuda" else "reference"
+            # The kernel computes in float32: a float64 model (exactness tests) keeps the float64 reference.
+            fast = device.type == "cuda" and self.config.dtype in _attention.KERNEL_DTYPES
+            return "triton" if fast else "reference"
         return self.attention_backend
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
