@@ -21,7 +21,10 @@ from specdec_ops.models import (AttentionMetadata, LlamaConfig, LlamaModel, chec
                                 load_model, load_tokenizer, smollm2_gguf_path)
 from specdec_ops.runtime import BlockPool
 
-transformers = pytest.importorskip("transformers")
+
+def _transformers():
+    # Imported where needed, so that the CUDA tests run on a machine without transformers.
+    return pytest.importorskip("transformers")
 
 LOGITS_ATOL = 1e-4
 
@@ -96,6 +99,7 @@ HF_CASES = {
 
 @pytest.fixture(scope="module", params=list(HF_CASES))
 def hf_checkpoint(request, tmp_path_factory):
+    transformers = _transformers()
     config_cls, extra = HF_CASES[request.param]
     config = getattr(transformers, config_cls)(
         vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
@@ -425,6 +429,7 @@ def smollm2():
     except FileNotFoundError as error:
         pytest.skip(str(error))
     pytest.importorskip("gguf")
+    transformers = _transformers()
     ours = load_model(path, dtype=torch.float32)
     tokenizer = load_tokenizer(path)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
