@@ -22,6 +22,16 @@ from specdec_ops.models import (AttentionMetadata, LlamaConfig, LlamaModel, chec
 from specdec_ops.runtime import BlockPool
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # These models run tiny single-sequence steps: one intra-op thread is as fast, and it does not stall when
+    # other processes hold the cores (two spinning threads can then take 100x longer).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _transformers():
     # Imported where needed, so that the CUDA tests run on a machine without transformers.
     return pytest.importorskip("transformers")
