@@ -413,6 +413,38 @@ def test_gguf_loader_errors(tmp_path):
         load_model(write("shape.gguf", "llama", {"token_embd.weight": (12, 8)}))
 
 
+LLAMA_32_1B_CONFIG = {  # config.json of Llama-3.2-1B (transformers 4 layout)
+    "architectures": ["LlamaForCausalLM"], "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": True,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "torch_dtype": "bfloat16", "vocab_size": 128256}
+
+
+def test_llama_32_config_and_rope_scaling_match_transformers():
+    from specdec_ops.models import config_from_hf
+    from specdec_ops.models.llama import rotary_inv_freq
+
+    transformers = _transformers()
+    config = config_from_hf(LLAMA_32_1B_CONFIG)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_size) == (16, 32, 8, 64)
+    assert config.dtype == torch.bfloat16 and config.tie_word_embeddings and config.rope_theta == 500000.0
+    assert config.eos_token_id == 128001 and config.eos_token_ids == (128001, 128008, 128009)
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in LLAMA_32_1B_CONFIG.items() if k != "architectures"})
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf_config)
+    assert rotary.attention_scaling == 1.0
+    torch.testing.assert_close(rotary_inv_freq(config).float(), rotary.inv_freq.float(), atol=0, rtol=1e-6)
+    # Scaling matters here: the plain frequencies differ.
+    plain = rotary_inv_freq(dataclasses.replace(config, rope_scaling=None)).float()
+    assert (plain - rotary.inv_freq).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="`use_sliding_window`"):
+        config_from_hf({**LLAMA_32_1B_CONFIG, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True})
+    with pytest.raises(ValueError, match="missing config key `hidden_size`"):
+        config_from_hf({k: v for k, v in LLAMA_32_1B_CONFIG.items() if k != "hidden_size"})
+
+
 def test_vocab_mismatch_is_named():
     target = LlamaModel(LlamaConfig(vocab_size=100))
     check_draft_matches_target(target, LlamaModel(LlamaConfig(vocab_size=100)))

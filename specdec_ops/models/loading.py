@@ -63,6 +63,9 @@ def config_from_hf(hf: dict, *, dtype: torch.dtype | None = None, source: str = 
                          "`rope_scaling`; expected rope_type 'llama3' or 'linear')")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{source}: config key `hidden_act` is {hf['hidden_act']!r}, expected 'silu'")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{source}: config key `use_sliding_window` is true; sliding-window attention is not "
+                         "supported")
     if hf.get("mlp_bias"):
         raise ValueError(f"{source}: config key `mlp_bias` is true; MLP biases are not supported")
     if dtype is None:
