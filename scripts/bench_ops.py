@@ -27,10 +27,12 @@ import triton.language as tl
 
 import specdec_ops
 from _timing import eager_us, graph_slope_us, graph_us  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from specdec_ops.kernels import prefill as prefill_kernels
+from specdec_ops.kernels.geometry import LAUNCHED_FROM_CPP
 
-# The ops' launch geometry (csrc/triton_launch.h), so the floor kernels run on the same grids. The floor kernels
+# The ops' launch geometry (kernels/geometry.py), so the floor kernels run on the same grids. The floor kernels
 # let Triton specialize on their sizes and alignment (the ops' kernels do not), so if anything they are faster.
-GEOMETRY = specdec_ops._C._launch_geometry()
+GEOMETRY = LAUNCHED_FROM_CPP
 
 
 @triton.jit
@@ -79,7 +81,7 @@ def copy_kernel(values_ptr, out_ptr, n, ROWS: tl.constexpr):
 def floor_rows(num_reqs, k, device, replays):
     """Graph us per call of the floor kernels on the grids prepare_prefill and create_output use for this size."""
     prefill, output = GEOMETRY["prepare_prefill"], GEOMETRY["create_output"]
-    prefill_grid = specdec_ops.prefill._grid(num_reqs * (k + 1), num_reqs, num_reqs)  # a decode round's batch
+    prefill_grid = prefill_kernels.grid(num_reqs * (k + 1), num_reqs, num_reqs)  # a decode round's batch
     output_grid = (triton.cdiv(num_reqs, output["block_rows"]),)
     index = torch.randperm(num_reqs, device=device).to(torch.int32)
     values = torch.randint(0, 32000, (num_reqs,), device=device, dtype=torch.int32)

@@ -14,7 +14,7 @@ import sys
 import torch
 
 import specdec_ops
-from specdec_ops.verify import ENTROPY_EPS
+from specdec_ops.ops.verify import ENTROPY_EPS
 from _timing import CALLS_PER_GRAPH, graph_us  # noqa: E402  (scripts/ is on sys.path when run as a script)
 
 K = 4

@@ -3,8 +3,11 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops import draft_step
 from specdec_ops._triton import HAS_TRITON
+from specdec_ops.ops import draft_step
+
+if HAS_TRITON:
+    from specdec_ops.kernels import draft_step as draft_step_kernels
 
 from conftest import HAS_CUDA, sync_forbidden
 
@@ -32,7 +35,7 @@ def run_triton(*args):
     if HAS_CUDA:  # through the dispatcher, as users call it
         cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
         return tuple(o.cpu() for o in torch.ops.specdec.advance_draft_step(*cuda_args))
-    return draft_step._advance_draft_step_triton(*args)
+    return draft_step_kernels.advance_draft_step_triton(*args)
 
 
 KERNELS = [pytest.param(run_cpu, id="cpp")]
@@ -138,7 +141,7 @@ def test_bad_inputs_raise_clear_errors(name, mutate, message):
         torch.ops.specdec.advance_draft_step(*meta)  # the fake kernel, as tracing runs it
     if HAS_TRITON and not HAS_CUDA:
         with pytest.raises(ValueError, match=pattern):
-            draft_step._advance_draft_step_triton(*args)
+            draft_step_kernels.advance_draft_step_triton(*args)
 
 
 def test_device_mix_is_rejected_by_the_fake_kernel():

@@ -3,8 +3,10 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops import output
 from specdec_ops._triton import HAS_TRITON
+
+if HAS_TRITON:
+    from specdec_ops.kernels import output as output_kernels
 
 from conftest import HAS_CUDA, check_outputs_use_torchs_allocator, sync_forbidden
 from test_prefill import make_batch
@@ -49,8 +51,8 @@ def run_triton(*args, counters=None):
         counters.copy_(cuda_counters.cpu())
         return out
     if counters is None:
-        return output._create_output_triton(*args)
-    return output._create_output_counted_triton(*args, counters)
+        return output_kernels.create_output_triton(*args)
+    return output_kernels.create_output_triton(*args, counters)
 
 
 KERNELS = [pytest.param(run_cpp, id="cpp")]
@@ -309,10 +311,10 @@ def test_cuda_cpp_launcher_matches_python_launcher(counted):
         if counted:
             from_cpp, from_python = (torch.tensor([1, 2, 3], device="cuda") for _ in range(2))
             out = torch.ops.specdec.create_output.counted(*args, from_cpp)
-            assert torch.equal(out, output._create_output_counted_triton(*args, from_python))
+            assert torch.equal(out, output_kernels.create_output_triton(*args, from_python))
             assert torch.equal(from_cpp, from_python)
         else:
-            assert torch.equal(torch.ops.specdec.create_output.default(*args), output._create_output_triton(*args))
+            assert torch.equal(torch.ops.specdec.create_output.default(*args), output_kernels.create_output_triton(*args))
 
 
 @pytest.mark.parametrize("overload", ["default", "counted"])

@@ -5,8 +5,12 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops import prefill
 from specdec_ops._triton import HAS_TRITON
+from specdec_ops.ops import prefill
+
+if HAS_TRITON:
+    from specdec_ops.kernels import geometry
+    from specdec_ops.kernels import prefill as prefill_kernels
 
 from conftest import HAS_CUDA, check_outputs_use_torchs_allocator, sync_forbidden
 
@@ -67,7 +71,7 @@ def run_triton(batch, max_num_reqs=None):
     if HAS_CUDA:  # through the dispatcher, as users call it
         out = torch.ops.specdec.prepare_prefill(**to_cuda(batch), max_num_reqs=max_num_reqs)
         return prefill.PrefillInputs(*(o.cpu() for o in out))
-    return prefill.PrefillInputs(*prefill._prepare_prefill_triton(**batch, max_num_reqs=max_num_reqs))
+    return prefill.PrefillInputs(*prefill_kernels.prepare_prefill_triton(**batch, max_num_reqs=max_num_reqs))
 
 
 KERNELS = [pytest.param(run_cpu, id="cpp")]
@@ -128,7 +132,7 @@ def test_long_queries_at_tile_edges(kernel):
     # A request with more slots than a tile's first column holds continues on its own, LONG_SLOTS
     # slots per step: several in one tile, at its first and last rows, in two tiles, and lengths
     # on either side of each boundary.
-    rows, slots, long_slots = (prefill._GEOMETRY[name] for name in ("rows", "slots", "long_slots"))
+    rows, slots, long_slots = (geometry.PREPARE_PREFILL[name] for name in ("rows", "slots", "long_slots"))
     query_lens = [3] * (2 * rows + 3)
     for row, length in ((0, slots - 1), (1, slots), (5, slots + 1), (rows - 1, slots + long_slots),
                         (rows, slots + long_slots - 1), (rows + 2, 2500), (2 * rows + 2, slots + long_slots + 1)):
@@ -190,7 +194,7 @@ def run_into_cpu(batch, buffers):
 
 
 def run_into_triton(batch, buffers):
-    prefill._prepare_prefill_into_triton(*batch.values(), *buffers.values())
+    prefill_kernels.prepare_prefill_into_triton(*batch.values(), *buffers.values())
 
 
 INTO_KERNELS = [pytest.param(run_into_cpu, id="cpp")]
@@ -285,7 +289,7 @@ def test_bad_inputs_raise_clear_errors(name, mutate, message):
         torch.ops.specdec.prepare_prefill(**fake_batch)  # the fake kernel, as tracing runs it
     if HAS_TRITON and not HAS_CUDA:
         with pytest.raises(ValueError, match=f"'{name}'"):
-            prefill._prepare_prefill_triton(**batch)
+            prefill_kernels.prepare_prefill_triton(**batch)
 
 
 def test_max_num_reqs_below_num_reqs_is_rejected():
@@ -414,7 +418,7 @@ def test_cuda_cpp_launcher_matches_python_launcher():
                                                 (17, dict(long_query=True, last_dtype=torch.int32))]):
         batch = make_batch(seed, num_reqs, device="cuda", **kwargs)
         from_cpp = torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=num_reqs + 3)
-        from_python = prefill._prepare_prefill_triton(**batch, max_num_reqs=num_reqs + 3)
+        from_python = prefill_kernels.prepare_prefill_triton(**batch, max_num_reqs=num_reqs + 3)
         for got, want in zip(from_cpp, from_python):
             assert torch.equal(got, want)
 

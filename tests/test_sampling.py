@@ -6,8 +6,12 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops import _launch, sampling
 from specdec_ops._triton import HAS_TRITON
+from specdec_ops.ops import counter_hash, sampling
+
+if HAS_TRITON:
+    from specdec_ops.kernels import geometry, scratch
+    from specdec_ops.kernels import sampling as sampling_kernels
 
 from conftest import HAS_CUDA, sync_forbidden
 
@@ -47,15 +51,15 @@ def run_triton(args, counters=None, num_chunks=None, block_v=None):
         cuda_args = [None if a is None else a.cuda() for a in args]
         cuda_counters = None if counters is None else counters.cuda()
         if forced:
-            sampling._check_rejection_inputs(*cuda_args, cuda_counters)
-            out = sampling._launch_rejection(*cuda_args, cuda_counters, num_chunks=num_chunks, block_v=block_v)
+            sampling.check_rejection_inputs(*cuda_args, cuda_counters)
+            out = sampling_kernels.launch_rejection(*cuda_args, cuda_counters, num_chunks=num_chunks, block_v=block_v)
         else:
             out = specdec_ops.rejection_sample(*cuda_args, counters=cuda_counters)
         if counters is not None:
             counters.copy_(cuda_counters.cpu())
         return out.cpu()
-    sampling._check_rejection_inputs(*args, counters)
-    return sampling._launch_rejection(*args, counters, num_chunks=num_chunks, block_v=block_v)
+    sampling.check_rejection_inputs(*args, counters)
+    return sampling_kernels.launch_rejection(*args, counters, num_chunks=num_chunks, block_v=block_v)
 
 
 KERNELS = [pytest.param(run_cpp, id="cpp")]
@@ -105,9 +109,9 @@ def test_triton_split_leaves_the_scratch_zeroed():
         args = make_case(40 + seed, 5, 2, 700, has_q=seed != 1)
         expected = specdec_ops.rejection_sample_reference(*args)
         on_device = [None if a is None else a.to(device) for a in args]
-        got = sampling._launch_rejection(*on_device, None, num_chunks=3, block_v=256)
+        got = sampling_kernels.launch_rejection(*on_device, None, num_chunks=3, block_v=256)
         assert torch.equal(got.cpu(), expected)
-        assert int(_launch._scratch[got.device].count_nonzero()) == 0
+        assert int(scratch._scratch[got.device].count_nonzero()) == 0
 
 
 @pytest.mark.cuda
@@ -115,13 +119,13 @@ def test_cuda_scratch_allocated_in_a_graph_pool_is_not_kept(monkeypatch):
     """Scratch first allocated inside a private memory pool (as during cudagraph warmup) serves that call only."""
     if not hasattr(torch.cuda, "MemPool"):
         pytest.skip("torch.cuda.MemPool is missing")
-    monkeypatch.setattr(_launch, "_scratch", {})
+    monkeypatch.setattr(scratch, "_scratch", {})
     device = torch.device("cuda", torch.cuda.current_device())
     with torch.cuda.use_mem_pool(torch.cuda.MemPool()):
-        in_pool = _launch.zeroed_scratch(device, 10)
-    assert device not in _launch._scratch and int(in_pool.count_nonzero()) == 0
-    kept = _launch.zeroed_scratch(device, 10)
-    assert _launch._scratch[device] is kept
+        in_pool = scratch.zeroed_scratch(device, 10)
+    assert device not in scratch._scratch and int(in_pool.count_nonzero()) == 0
+    kept = scratch.zeroed_scratch(device, 10)
+    assert scratch._scratch[device] is kept
 
 
 def test_all_outcomes_occur():
@@ -194,8 +198,8 @@ def test_counted_adds_what_create_output_counted_adds():
         safe = torch.where(valid, draft, 0)
         p_x = p[:, :k].gather(2, safe[..., None])[..., 0]
         q_x = q.gather(2, safe[..., None])[..., 0] if has_q else torch.ones_like(p_x)
-        bits = sampling.random_bits(seeds[:, None], offsets[:, None] + torch.arange(k), sampling.ACCEPT, 0)
-        accepted = valid & (sampling.uniform_from_bits(bits) * q_x < p_x)
+        bits = counter_hash.random_bits(seeds[:, None], offsets[:, None] + torch.arange(k), counter_hash.ACCEPT, 0)
+        accepted = valid & (counter_hash.uniform_from_bits(bits) * q_x < p_x)
         assert (accepted.int().diff(dim=1) > 0).any()  # an accept after a rejection is counted too
         expected_counters = torch.tensor([1, 2, 3])
         expected = specdec_ops.create_output(accepted, out[:, :k], draft, out[:, k], counters=expected_counters)
@@ -240,7 +244,7 @@ def test_non_finite_probabilities_give_tokens_in_range(kernel, num_chunks, block
         emitted = int((row != -1).sum())
         assert emitted >= 1 and (row[emitted:] == -1).all(), row
         assert ((row[:emitted] >= 0) & (row[:emitted] < vocab)).all(), row
-    assert all(int(buf.count_nonzero()) == 0 for buf in _launch._scratch.values())
+    assert all(int(buf.count_nonzero()) == 0 for buf in scratch._scratch.values())
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -250,10 +254,10 @@ def test_an_infinite_exponential_never_wins(kernel, num_chunks, block_v):
     beats it, as in the reference. Seed 366847 at position 0 draws E = inf for segment 39 of the residual race
     (draw 78); `later` is in the same lane for blocks of 16 entries and, in one chunk, for the default block."""
     seed, segment = 366847, 39
-    later = segment + sampling._BLOCK_V // sampling.SEGMENT
+    later = segment + geometry.REJECTION_SAMPLE["block_v"] // sampling.SEGMENT
     vocab = (later + 2) * sampling.SEGMENT
-    exponential = sampling.exponential_from_bits(
-        sampling.random_bits(torch.tensor(seed), torch.tensor(0), sampling.RESIDUAL, torch.tensor(2 * segment)))
+    exponential = counter_hash.exponential_from_bits(
+        counter_hash.random_bits(torch.tensor(seed), torch.tensor(0), counter_hash.RESIDUAL, torch.tensor(2 * segment)))
     assert exponential == float("inf")
     p = torch.zeros(1, 2, vocab)
     p[0, 0, segment * sampling.SEGMENT + 1] = 0.9
@@ -325,8 +329,8 @@ def test_streams_are_independent():
     seeds = torch.arange(20000, dtype=torch.int64) * 7919 - 10**12
     positions = torch.arange(20000, dtype=torch.int64) % 97
     uniforms = {
-        purpose: sampling.uniform_from_bits(sampling.random_bits(seeds, positions, purpose, 0)).double()
-        for purpose in (sampling.DRAFT, sampling.ACCEPT, sampling.RESIDUAL, sampling.BONUS)
+        purpose: counter_hash.uniform_from_bits(counter_hash.random_bits(seeds, positions, purpose, 0)).double()
+        for purpose in (counter_hash.DRAFT, counter_hash.ACCEPT, counter_hash.RESIDUAL, counter_hash.BONUS)
     }
     names = list(uniforms)
     for a in range(len(names)):
@@ -337,7 +341,7 @@ def test_streams_are_independent():
             assert (u != v).float().mean() > 0.999
             assert abs(torch.corrcoef(torch.stack([u, v]))[0, 1]) < 0.03  # ~4 standard errors
     # Consecutive indices of one row (the race) are uncorrelated as well.
-    row = sampling.uniform_from_bits(sampling.random_bits(5, 9, sampling.RESIDUAL, torch.arange(20001))).double()
+    row = counter_hash.uniform_from_bits(counter_hash.random_bits(5, 9, counter_hash.RESIDUAL, torch.arange(20001))).double()
     assert abs(torch.corrcoef(torch.stack([row[:-1], row[1:]]))[0, 1]) < 0.03
 
 
@@ -364,16 +368,16 @@ def test_torch_hash_matches_plain_python_murmur3():
     for seed, pos, purpose, index in [(0, 0, 1, 0), (-1, 2**40 + 3, 2, 7), (2**62 + 5, -9, 4, 2**31 + 1)]:
         words = [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, pos & 0xFFFFFFFF, (pos >> 32) & 0xFFFFFFFF,
                  purpose, index]
-        assert int(sampling.random_bits(seed, pos, purpose, index)) == murmur3(words)
+        assert int(counter_hash.random_bits(seed, pos, purpose, index)) == murmur3(words)
 
 
 def test_exponentials():
     bits = torch.tensor([0, 1, 2**20, 2**25 - 1, 2**31, 2**32 - 1], dtype=torch.int64)
-    e = sampling.exponential_from_bits(bits).double()
+    e = counter_hash.exponential_from_bits(bits).double()
     w = (bits.double() + 0.5) / 2**32
     assert torch.allclose(e[:-1], -torch.log1p(-w[:-1]), rtol=1e-6)
     assert e[-1] == float("inf")  # w rounds to 1: never wins a race
-    many = sampling.exponential_from_bits(sampling.random_bits(3, 4, sampling.BONUS, torch.arange(200000))).double()
+    many = counter_hash.exponential_from_bits(counter_hash.random_bits(3, 4, counter_hash.BONUS, torch.arange(200000))).double()
     assert abs(many.mean() - 1) < 0.01 and abs(many.var() - 1) < 0.03
 
 
@@ -400,8 +404,8 @@ def draft_triton(args, probs=None):
         if probs is not None:
             probs.copy_(cuda_probs.cpu())
         return out
-    sampling._check_draft_inputs(*args, probs)
-    return sampling._launch_draft(*args, probs)
+    sampling.check_draft_inputs(*args, probs)
+    return sampling_kernels.launch_draft(*args, probs)
 
 
 DRAFT_KERNELS = [pytest.param(draft_cpp, id="cpp")]
@@ -451,7 +455,7 @@ def test_triton_sample_draft_online_softmax_across_blocks():
     device = "cuda" if HAS_CUDA else "cpu"
     probs = torch.empty(n, vocab, device=device)
     args = [t.to(device) for t in (logits, temperature, seeds, positions)]
-    tokens = sampling._launch_draft(*args, probs, block_v=16).cpu()
+    tokens = sampling_kernels.launch_draft(*args, probs, block_v=16).cpu()
     expected_probs = torch.empty(n, vocab)
     expected = specdec_ops.sample_draft_reference(logits, temperature, seeds, positions, probs=expected_probs)
     assert torch.equal(tokens[:-1], expected[:-1])  # the NaN row's token is unspecified (but in range)
@@ -550,7 +554,7 @@ def test_rejection_bad_inputs_raise_clear_errors(name, mutate, message):
             call_rejection({n: None if t is None else mode.from_tensor(t) for n, t in args.items()})
     if HAS_TRITON:
         with pytest.raises(ValueError, match=pattern):  # the CUDA launcher validates too
-            sampling._rejection_sample_triton(*args.values())
+            sampling_kernels.rejection_sample_triton(*args.values())
 
 
 @pytest.mark.parametrize("counters,message", [(torch.zeros(3, dtype=torch.int32), "dtype"),
@@ -591,7 +595,7 @@ def test_sample_draft_bad_inputs_raise_clear_errors(name, mutate, message):
             torch.ops.specdec.sample_draft.with_probs(*(mode.from_tensor(t) for t in args.values()))
     if HAS_TRITON:
         with pytest.raises(ValueError, match=pattern):
-            sampling._sample_draft_with_probs_triton(*args.values())
+            sampling_kernels.sample_draft_triton(*args.values())
 
 
 def test_compiled_bad_input_raises_value_error():

@@ -5,8 +5,12 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops import _launch, verify
 from specdec_ops._triton import HAS_TRITON
+from specdec_ops.ops import verify
+
+if HAS_TRITON:
+    from specdec_ops.kernels import scratch
+    from specdec_ops.kernels import verify as verify_kernels
 
 from conftest import HAS_CUDA, sync_forbidden
 
@@ -84,14 +88,14 @@ def run_triton(op, target, draft, counters=None, threshold=0.09, alpha=0.3, **pl
     t, d = target.to(device), draft.to(device)
     c = None if counters is None else counters.to(device)
     if plan:
-        out = verify._launch(t, d, c, op == "typical", threshold, alpha, **plan)
+        out = verify_kernels.launch(t, d, c, op == "typical", threshold, alpha, **plan)
     elif HAS_CUDA:
         out = call_op(op, t, d, c, threshold, alpha)
     elif op == "greedy":
-        out = (verify._greedy_verify_triton(t, d) if c is None else verify._greedy_verify_counted_triton(t, d, c))
+        out = (verify_kernels.greedy_verify_triton(t, d) if c is None else verify_kernels.greedy_verify_triton(t, d, c))
     else:
-        out = (verify._typical_acceptance_triton(t, d, threshold, alpha) if c is None
-               else verify._typical_acceptance_counted_triton(t, d, threshold, alpha, c))
+        out = (verify_kernels.typical_acceptance_triton(t, d, threshold, alpha) if c is None
+               else verify_kernels.typical_acceptance_triton(t, d, threshold, alpha, c))
     if counters is not None:
         counters.copy_(c.cpu())
     return out.cpu()
@@ -328,18 +332,18 @@ def test_triton_tickets_are_left_zeroed():
         for op in OPS:
             target, draft = make(op, seed, batch, k, vocab)
             check(run_triton, op, target, draft, block_v=16, num_chunks=chunks)
-            assert _launch._scratch and all(int(t.count_nonzero()) == 0 for t in _launch._scratch.values())
+            assert scratch._scratch and all(int(t.count_nonzero()) == 0 for t in scratch._scratch.values())
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_ticket_buffer_grows_and_keeps_the_old_one(monkeypatch):
-    monkeypatch.setattr(_launch, "SCRATCH_CAPACITY", 2)
-    monkeypatch.setattr(_launch, "_scratch", {})
-    monkeypatch.setattr(_launch, "_outgrown_scratch", [])
+    monkeypatch.setattr(scratch, "SCRATCH_CAPACITY", 2)
+    monkeypatch.setattr(scratch, "_scratch", {})
+    monkeypatch.setattr(scratch, "_outgrown_scratch", [])
     for batch in (2, 3):
         target, draft = make_greedy(30 + batch, batch, 2, 9)
         check(run_triton, "greedy", target, draft)
-    (outgrown,), (current,) = _launch._outgrown_scratch, _launch._scratch.values()
+    (outgrown,), (current,) = scratch._outgrown_scratch, scratch._scratch.values()
     assert outgrown.numel() == 2 and current.numel() == 3
 
 
@@ -388,10 +392,10 @@ def test_bad_inputs_raise_clear_errors(op, name, mutate, message):
         call(*(x.to("meta") for x in (t, d, c)))  # the fake kernel, as tracing runs it
     if HAS_TRITON and not HAS_CUDA:
         launcher = {
-            ("greedy", False): lambda: verify._greedy_verify_triton(t, d),
-            ("greedy", True): lambda: verify._greedy_verify_counted_triton(t, d, c),
-            ("typical", False): lambda: verify._typical_acceptance_triton(t, d),
-            ("typical", True): lambda: verify._typical_acceptance_counted_triton(*_typical_args(t, d, c)),
+            ("greedy", False): lambda: verify_kernels.greedy_verify_triton(t, d),
+            ("greedy", True): lambda: verify_kernels.greedy_verify_triton(t, d, c),
+            ("typical", False): lambda: verify_kernels.typical_acceptance_triton(t, d),
+            ("typical", True): lambda: verify_kernels.typical_acceptance_triton(*_typical_args(t, d, c)),
         }[op, counted]
         with pytest.raises(ValueError, match=pattern):
             launcher()
@@ -479,7 +483,7 @@ def test_cuda_matches_reference(op, dtype, batch, vocab):
 
 @pytest.mark.cuda
 def test_cuda_ticket_buffer_grows():
-    batch = _launch.SCRATCH_CAPACITY + 3
+    batch = scratch.SCRATCH_CAPACITY + 3
     logits, draft = make_greedy(8, batch, 1, 3)
     out = specdec_ops.greedy_verify(logits.cuda(), draft.cuda())
     assert torch.equal(out.cpu(), specdec_ops.greedy_verify_reference(logits, draft))
