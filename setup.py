@@ -17,6 +17,8 @@ setup(
     name="specdec_ops",
     version="0.1.0",
     description="Speculative-decoding building blocks as PyTorch custom ops",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     packages=find_packages(include=["specdec_ops", "specdec_ops.*"]),
     ext_modules=[
         CppExtension(

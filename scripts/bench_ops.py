@@ -14,7 +14,9 @@ every per-request access (five loads indexed by the request, the three loads the
 for create_output one load and a store per row. x.add_(1), timed eager before and after the tables, gauges
 the host's speed. A last table checks the graph timing on the two ops' kernels: the same figure with the host's
 submission of the graph inside the span (the timing of the runs before U1 in benchmarks/RESULTS.md), and the
-slope between graphs of 100 and 300 calls, from which the fixed cost of starting a replay cancels out.
+slope between graphs of 100 and 300 calls, from which the fixed cost of starting a replay cancels out. The
+last one gives this host's launch floor, which bounds every eager column: an empty Triton launch with 17
+arguments through kernel[grid](...), a one-op torch call, torch.empty, and create_output's C++ entry and launch.
 
     python scripts/bench_ops.py [--quick]
 """
@@ -37,6 +39,11 @@ GEOMETRY = LAUNCHED_FROM_CPP
 
 @triton.jit
 def empty_kernel(ptr, n):
+    pass
+
+
+@triton.jit
+def empty_kernel_17_args(a, b, c, d, e, f, g, h, i, j, k, l, n1, n2, n3, n4, n5, BLOCK: tl.constexpr):
     pass
 
 
@@ -162,6 +169,28 @@ def make_verified(batch, k, device):
     return [t.to(device) for t in (accepted, substitute, draft, bonus)]
 
 
+def print_launch_floor(iters):
+    """Host time per call of the cheapest launches: what the eager columns cannot go below on this host."""
+    tensors = [torch.zeros(8, device="cuda") for _ in range(12)]
+    x = torch.zeros(3, device="cuda", dtype=torch.long)
+    accepted = torch.rand(64, 4, device="cuda") < 0.7
+    ids = torch.randint(0, 32000, (64, 4), device="cuda")
+    bonus = torch.randint(0, 32000, (64, 1), device="cuda")
+    counters = torch.zeros(3, dtype=torch.int64, device="cuda")
+    print("\nLaunch floor on this host (eager us per call).\n")
+    print("| what | eager us per call |")
+    print("|---|---:|")
+    for what, call in [
+        ("empty Triton kernel, 17 args, kernel[grid](...)",
+         lambda: empty_kernel_17_args[(65,)](*tensors, 1, 2, 3, 4, 5, BLOCK=128, num_warps=1)),
+        ("x.add_(1) on a CUDA tensor", lambda: x.add_(1)),
+        ("specdec_ops.create_output(B=64, counters), C++ entry and launch",
+         lambda: specdec_ops.create_output(accepted, ids, ids, bonus, counters=counters)),
+        ("torch.empty(5, device='cuda')", lambda: torch.empty(5, device="cuda")),
+    ]:
+        print(f"| {what} | {eager_us(call, iters, warmup=50):.1f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations (smoke run)")
@@ -242,6 +271,7 @@ def main():
                              ("create_output", lambda: specdec_ops.create_output(*verified, counters=counters))]:
             print(f"| {name} | {num_reqs} | {graph_us(kernel, replays):.3f} | "
                   f"{graph_us(kernel, replays, cover_submission=False):.3f} | {graph_slope_us(kernel, replays):.3f} |")
+    print_launch_floor(200 if args.quick else 2000)
     return 0
 
 
