@@ -13,8 +13,8 @@ import specdec_ops
 from specdec_ops import _C
 from specdec_ops.ops import output, prefill
 
-from test_output import make_verified
-from test_prefill import BAD_INPUTS, make_batch
+from samples import make_batch, make_verified
+from test_prefill import BAD_INPUTS
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 

@@ -15,6 +15,8 @@ from scipy import stats
 
 import specdec_ops
 
+from samples import normalized
+
 P_THRESHOLD = 1e-4
 TRIALS = 100_000
 
@@ -36,10 +38,6 @@ def chi_square_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     if obs.numel() < 2:
         return 1.0
     return float(stats.chisquare(obs.numpy(), exp.numpy()).pvalue)
-
-
-def normalized(t):
-    return t / t.sum(-1, keepdim=True)
 
 
 def run_trials(p, q, *, draft_one_hot=False, draft_dist=None, trials=TRIALS, seed=0):
