@@ -3,13 +3,10 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops._triton import HAS_TRITON
 from specdec_ops.ops import draft_step
 
-if HAS_TRITON:
-    from specdec_ops.kernels import draft_step as draft_step_kernels
-
 from conftest import HAS_CUDA, sync_forbidden
+from harness import capture_graph, check_bad_input
 from samples import make_step
 
 INT32_MAX = 2**31 - 1
@@ -101,14 +98,7 @@ def test_bad_inputs_raise_clear_errors(name, mutate, message):
     mutate(a)
     args = (a["ids"], a["positions"], a["seq_lens"], a["max_model_len"])
     pattern = f"advance_draft_step: argument '{name}'.*{message}"
-    with pytest.raises(ValueError, match=pattern):
-        torch.ops.specdec.advance_draft_step(*args)  # C++ checks
-    meta = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in args]
-    with pytest.raises(ValueError, match=pattern):
-        torch.ops.specdec.advance_draft_step(*meta)  # the fake kernel, as tracing runs it
-    if HAS_TRITON and not HAS_CUDA:
-        with pytest.raises(ValueError, match=pattern):
-            draft_step_kernels.advance_draft_step_triton(*args)
+    check_bad_input("advance_draft_step", args, match=pattern)
 
 
 def test_device_mix_is_rejected_by_the_fake_kernel():
@@ -172,14 +162,7 @@ def test_cuda_matches_reference(n):
 @pytest.mark.cuda
 def test_cuda_graph_capture_and_replay():
     ids, positions, seq_lens, max_model_len = make_step(30, 64, max_model_len=100, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles the kernel) outside capture
-        specdec_ops.advance_draft_step(ids, positions, seq_lens, max_model_len)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = specdec_ops.advance_draft_step(ids, positions, seq_lens, max_model_len)
+    graph, out = capture_graph(lambda: specdec_ops.advance_draft_step(ids, positions, seq_lens, max_model_len))
     for seed in range(3):  # new values, same shapes
         fresh = make_step(31 + seed, 64, max_model_len=100, device="cuda")
         for static, new in zip((ids, positions, seq_lens), fresh):

@@ -8,7 +8,8 @@ from specdec_ops._triton import HAS_TRITON
 if HAS_TRITON:
     from specdec_ops.kernels import output as output_kernels
 
-from conftest import HAS_CUDA, check_outputs_use_torchs_allocator, sync_forbidden
+from conftest import check_outputs_use_torchs_allocator, sync_forbidden
+from harness import capture_graph, check_bad_input
 from samples import make_batch, make_verified
 
 
@@ -92,20 +93,13 @@ BAD_INPUTS = [
 def test_bad_inputs_raise_clear_errors(name, mutate, message):
     args = list(make_verified(4, 5, 3))
     mutate(args)
-    with pytest.raises(ValueError, match=f"'{name}'.*{message}"):
-        specdec_ops.create_output(*args)
-    meta = [a.to("meta") for a in args]
-    with pytest.raises(ValueError, match=f"'{name}'.*{message}"):
-        specdec_ops.create_output(*meta)
+    check_bad_input("create_output", args, match=f"'{name}'.*{message}")
 
 
 def test_bad_counters_raise_clear_errors():
     args = make_verified(5, 5, 3)
     for counters in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)):
-        with pytest.raises(ValueError, match="'counters'"):
-            specdec_ops.create_output(*args, counters=counters)
-        with pytest.raises(ValueError, match="'counters'"):
-            specdec_ops.create_output(*[a.to("meta") for a in args], counters=counters.to("meta"))
+        check_bad_input("create_output", args, {"counters": counters}, match="'counters'")
 
 
 def test_zero_columns_rejected():
@@ -202,15 +196,8 @@ def test_cuda_output_comes_from_torchs_allocator():
 def test_cuda_graph_capture_replay_and_no_sync():
     static = [a.cuda() for a in make_verified(9, 64, 4)]
     counters = torch.zeros(3, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        specdec_ops.create_output(*static, counters=counters)
-    torch.cuda.current_stream().wait_stream(stream)
-    counters.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = specdec_ops.create_output(*static, counters=counters)
+    graph, out = capture_graph(lambda: specdec_ops.create_output(*static, counters=counters))
+    counters.zero_()  # the warm-up call added to them
     expected_counters = torch.zeros(3, dtype=torch.int64)
     for seed in range(3):
         fresh = make_verified(10 + seed, 64, 4, pattern="random" if seed else "causal")

@@ -11,7 +11,7 @@ if HAS_TRITON:
     from specdec_ops.kernels import geometry
     from specdec_ops.kernels import prefill as prefill_kernels
 
-from conftest import HAS_CUDA, check_outputs_use_torchs_allocator, sync_forbidden
+from conftest import check_outputs_use_torchs_allocator, sync_forbidden
 from harness import Backend, check_bad_input
 from samples import make_batch
 
@@ -203,23 +203,12 @@ BAD_INPUTS = [
 def test_bad_inputs_raise_clear_errors(name, mutate, message):
     batch = make_batch(51, 3)
     mutate(batch)
-    with pytest.raises(ValueError, match=f"'{name}'.*{message}|{message}.*'{name}'|'{name}'"):
-        torch.ops.specdec.prepare_prefill(**batch)  # C++ checks
-    fake_batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    with pytest.raises(ValueError, match=f"'{name}'"):
-        torch.ops.specdec.prepare_prefill(**fake_batch)  # the fake kernel, as tracing runs it
-    if HAS_TRITON and not HAS_CUDA:
-        with pytest.raises(ValueError, match=f"'{name}'"):
-            prefill_kernels.prepare_prefill_triton(**batch)
+    check_bad_input("prepare_prefill", (), batch, match=f"'{name}'.*{message}|{message}.*'{name}'|'{name}'")
 
 
 def test_max_num_reqs_below_num_reqs_is_rejected():
     batch = make_batch(52, 4)
-    with pytest.raises(ValueError, match="'max_num_reqs'"):
-        torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=3)
-    meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    with pytest.raises(ValueError, match="'max_num_reqs'"):
-        torch.ops.specdec.prepare_prefill(**meta, max_num_reqs=3)
+    check_bad_input("prepare_prefill", (), {**batch, "max_num_reqs": 3}, match="'max_num_reqs'")
 
 
 def test_device_mix_is_rejected_by_the_fake_kernel():
@@ -292,16 +281,11 @@ def test_cuda_graph_capture_and_replay():
         expanded_query_start_loc=torch.zeros(max_num_reqs + 1, dtype=torch.int32, device="cuda"),
         expanded_seq_lens=torch.zeros(max_num_reqs, dtype=torch.int32, device="cuda"),
     )
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles the kernel) outside capture
+    def round_():
         specdec_ops.prepare_prefill_into(**static, **buffers)
-        functional = specdec_ops.prepare_prefill(**static, max_num_reqs=max_num_reqs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        specdec_ops.prepare_prefill_into(**static, **buffers)
-        functional = specdec_ops.prepare_prefill(**static, max_num_reqs=max_num_reqs)
+        return specdec_ops.prepare_prefill(**static, max_num_reqs=max_num_reqs)
+
+    graph, functional = capture_graph(round_)
     for seed in range(3):  # new values, same shapes
         fresh = make_batch(72 + seed, 16, max_query_len=5, num_tokens=80, num_slots=20)
         for k, v in fresh.items():

@@ -14,7 +14,7 @@ if HAS_TRITON:
     from specdec_ops.kernels import sampling as sampling_kernels
 
 from conftest import HAS_CUDA, sync_forbidden
-from harness import Backend, check_bad_input
+from harness import Backend, capture_graph, check_bad_input
 from samples import make_case, make_logits, normalized
 
 
@@ -285,6 +285,7 @@ def test_fresh_randomness_with_new_offsets_or_seeds():
 # --- random streams ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_streams_are_independent():
     """Same seed and position: the DRAFT, ACCEPT, RESIDUAL, BONUS streams give unrelated uniforms."""
     seeds = torch.arange(20000, dtype=torch.int64) * 7919 - 10**12
@@ -332,6 +333,7 @@ def test_torch_hash_matches_plain_python_murmur3():
         assert int(counter_hash.random_bits(seed, pos, purpose, index)) == murmur3(words)
 
 
+@pytest.mark.slow
 def test_exponentials():
     bits = torch.tensor([0, 1, 2**20, 2**25 - 1, 2**31, 2**32 - 1], dtype=torch.int64)
     e = counter_hash.exponential_from_bits(bits).double()
@@ -464,36 +466,18 @@ REJECTION_BAD = [
 ]
 
 
-def call_rejection(args, counters=None):
-    if counters is None:
-        return torch.ops.specdec.rejection_sample(*args.values())
-    return torch.ops.specdec.rejection_sample.counted(*args.values(), counters)
-
-
 @pytest.mark.parametrize("name,mutate,message", REJECTION_BAD)
 def test_rejection_bad_inputs_raise_clear_errors(name, mutate, message):
     args = good_rejection_args()
     args[name] = mutate(args)
-    pattern = f"rejection_sample: argument '{name}'.*{message}"
-    with pytest.raises(ValueError, match=pattern):  # eager, C++ kernel
-        call_rejection(args)
-    with pytest.raises(ValueError, match=pattern):  # fake kernel (trace time)
-        with torch._subclasses.FakeTensorMode() as mode:
-            call_rejection({n: None if t is None else mode.from_tensor(t) for n, t in args.items()})
-    if HAS_TRITON:
-        with pytest.raises(ValueError, match=pattern):  # the CUDA launcher validates too
-            sampling_kernels.rejection_sample_triton(*args.values())
+    check_bad_input("rejection_sample", list(args.values()), match=f"rejection_sample: argument '{name}'.*{message}")
 
 
 @pytest.mark.parametrize("counters,message", [(torch.zeros(3, dtype=torch.int32), "dtype"),
                                               (torch.zeros(4, dtype=torch.int64), "shape|size 4")])
 def test_rejection_bad_counters(counters, message):
-    with pytest.raises(ValueError, match=f"argument 'counters'.*({message})"):
-        call_rejection(good_rejection_args(), counters)
-    with pytest.raises(ValueError, match="argument 'counters'"):
-        with torch._subclasses.FakeTensorMode() as mode:
-            args = {n: None if t is None else mode.from_tensor(t) for n, t in good_rejection_args().items()}
-            call_rejection(args, mode.from_tensor(counters))
+    check_bad_input("rejection_sample", list(good_rejection_args().values()), {"counters": counters},
+                    match=f"argument 'counters'.*({message})")
 
 
 DRAFT_BAD = [
@@ -515,15 +499,7 @@ def test_sample_draft_bad_inputs_raise_clear_errors(name, mutate, message):
     logits, temperature, seeds, positions = make_logits(0, 4, 12)
     args = dict(logits=logits, temperature=temperature, seeds=seeds, positions=positions, probs=torch.empty(4, 12))
     args[name] = mutate(args)
-    pattern = f"sample_draft.with_probs: argument '{name}'.*{message}"
-    with pytest.raises(ValueError, match=pattern):
-        torch.ops.specdec.sample_draft.with_probs(*args.values())
-    with pytest.raises(ValueError, match=pattern):
-        with torch._subclasses.FakeTensorMode() as mode:
-            torch.ops.specdec.sample_draft.with_probs(*(mode.from_tensor(t) for t in args.values()))
-    if HAS_TRITON:
-        with pytest.raises(ValueError, match=pattern):
-            sampling_kernels.sample_draft_triton(*args.values())
+    check_bad_input("sample_draft", list(args.values()), match=f"sample_draft.with_probs: argument '{name}'.*{message}")
 
 
 def test_compiled_bad_input_raises_value_error():
@@ -621,16 +597,9 @@ def test_cuda_graph_capture_replay_with_new_seeds_and_offsets():
     temperature = torch.ones(batch, device="cuda")
     probs = torch.empty(batch, vocab, device="cuda")
     counters = torch.zeros(3, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles the kernels) off the capture
-        specdec_ops.rejection_sample(p, draft, q, seeds, offsets, counters=counters)
-        specdec_ops.sample_draft(logits, temperature, seeds, offsets, probs=probs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = specdec_ops.rejection_sample(p, draft, q, seeds, offsets, counters=counters)
-        tokens = specdec_ops.sample_draft(logits, temperature, seeds, offsets, probs=probs)
+    graph, (out, tokens) = capture_graph(lambda: (
+        specdec_ops.rejection_sample(p, draft, q, seeds, offsets, counters=counters),
+        specdec_ops.sample_draft(logits, temperature, seeds, offsets, probs=probs)))
     for step in range(3):
         seeds.copy_(torch.arange(batch, device="cuda") * 31 + step)
         offsets.add_(k + 1)

@@ -17,6 +17,10 @@ import specdec_ops
 
 from samples import normalized
 
+# Statistical: many trials each. Marked so that `-m "not slow"` skips them locally; CI runs them (.ci/run runs the
+# whole suite, no marker deselected).
+pytestmark = pytest.mark.slow
+
 P_THRESHOLD = 1e-4
 TRIALS = 100_000
 

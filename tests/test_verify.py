@@ -6,15 +6,14 @@ import torch
 
 import specdec_ops
 from specdec_ops._triton import HAS_TRITON
-from specdec_ops.ops import verify
 
 if HAS_TRITON:
     from specdec_ops.kernels import scratch
     from specdec_ops.kernels import verify as verify_kernels
 
 from conftest import HAS_CUDA, sync_forbidden
-from harness import Backend, check_bad_input
-from samples import make_greedy, make_typical, typical_margin
+from harness import Backend, capture_graph, check_bad_input
+from samples import make_greedy, make_typical
 
 # --- inputs ------------------------------------------------------------------------------
 
@@ -291,10 +290,6 @@ def test_triton_ticket_buffer_grows_and_keeps_the_old_one(monkeypatch):
 # --- errors ------------------------------------------------------------------------------
 
 
-def _typical_args(target, draft, counters):
-    return (target, draft, 0.09, 0.3, counters)
-
-
 BAD_INPUTS = [
     ("target", lambda t, d, c: (t[0], d, c), "3-D"),
     ("target", lambda t, d, c: (t.double(), d, c), "float16 or bfloat16 or float32"),
@@ -324,22 +319,8 @@ def test_bad_inputs_raise_clear_errors(op, name, mutate, message):
     counted = name == "counters"
     pattern = f"{'greedy_verify' if op == 'greedy' else 'typical_acceptance'}: argument '{name}'.*{message}"
 
-    def call(t, d, c):
-        return call_op(op, t, d, c if counted else None)
-
-    with pytest.raises(ValueError, match=pattern):
-        call(t, d, c)  # C++ checks
-    with pytest.raises(ValueError, match=pattern):
-        call(*(x.to("meta") for x in (t, d, c)))  # the fake kernel, as tracing runs it
-    if HAS_TRITON and not HAS_CUDA:
-        launcher = {
-            ("greedy", False): lambda: verify_kernels.greedy_verify_triton(t, d),
-            ("greedy", True): lambda: verify_kernels.greedy_verify_triton(t, d, c),
-            ("typical", False): lambda: verify_kernels.typical_acceptance_triton(t, d),
-            ("typical", True): lambda: verify_kernels.typical_acceptance_triton(*_typical_args(t, d, c)),
-        }[op, counted]
-        with pytest.raises(ValueError, match=pattern):
-            launcher()
+    check_bad_input("greedy_verify" if op == "greedy" else "typical_acceptance", (t, d),
+                    {"counters": c} if counted else {}, match=pattern)
 
 
 def test_compile_reports_bad_shapes_at_trace_time():
@@ -449,16 +430,9 @@ def test_cuda_graph_capture_and_replay(batch, vocab):
     logits, greedy_draft = (x.cuda() for x in make_greedy(20, batch, k, vocab))
     probs, typical_draft = (x.cuda() for x in make_typical(20, batch, k, vocab))
     counters = torch.zeros(3, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles the kernels) outside capture
-        specdec_ops.greedy_verify(logits, greedy_draft, counters)
-        specdec_ops.typical_acceptance(probs, typical_draft, counters=counters)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        greedy = specdec_ops.greedy_verify(logits, greedy_draft, counters)
-        typical = specdec_ops.typical_acceptance(probs, typical_draft, counters=counters)
+    graph, (greedy, typical) = capture_graph(lambda: (
+        specdec_ops.greedy_verify(logits, greedy_draft, counters),
+        specdec_ops.typical_acceptance(probs, typical_draft, counters=counters)))
     counters.zero_()
     expected_counters = torch.zeros(3, dtype=torch.int64)
     for seed in range(3):  # new values, same shapes; counters accumulate over replays
