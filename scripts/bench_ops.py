@@ -12,10 +12,9 @@ the chains of dependent memory accesses each op's contract cannot avoid. For pre
 through idx_mapping (the correction token's two dependent loads, then a store), and the request chain,
 every per-request access (five loads indexed by the request, the three loads they address, three stores);
 for create_output one load and a store per row. x.add_(1), timed eager before and after the tables, gauges
-the host's speed. A last table checks the graph timing on the two ops' kernels: the same figure with the host's
-submission of the graph inside the span (the timing of the runs before U1 in benchmarks/RESULTS.md), and the
-slope between graphs of 100 and 300 calls, from which the fixed cost of starting a replay cancels out. The
-last one gives this host's launch floor, which bounds every eager column: an empty Triton launch with 17
+the host's speed. A fourth table checks the graph timing on the two ops' kernels: the same figure with the host's
+submission of the graph inside the span, and the slope between graphs of 100 and 300 calls, from which the fixed
+cost of starting a replay cancels out. The last one gives this host's launch floor, which bounds every eager column: an empty Triton launch with 17
 arguments through kernel[grid](...), a one-op torch call, torch.empty, and create_output's C++ entry and launch.
 
     python scripts/bench_ops.py [--quick]
