@@ -169,7 +169,8 @@ def verify_rows(batch: int, vocab: int, timer: Timer) -> list[Row]:
     logits, probs, draft = make_verify_inputs(batch, vocab, timer.device)
     counters = torch.zeros(3, dtype=torch.int64, device=timer.device)
     cases = [
-        ("greedy_verify", lambda: specdec_ops.greedy_verify(logits, draft, counters), lambda: greedy_torch(logits, draft)),
+        ("greedy_verify", lambda: specdec_ops.greedy_verify(logits, draft, counters),
+         lambda: greedy_torch(logits, draft)),
         ("typical_acceptance", lambda: specdec_ops.typical_acceptance(probs, draft, counters=counters),
          lambda: typical_torch(probs, draft)),
     ]

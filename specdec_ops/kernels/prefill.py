@@ -139,7 +139,7 @@ def grid(num_tokens: int, num_reqs: int, max_num_reqs: int) -> tuple[int]:
 
 
 def launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-            max_model_len, out_ids, out_positions, out_last, out_qsl, out_seq_lens) -> None:
+           max_model_len, out_ids, out_positions, out_last, out_qsl, out_seq_lens) -> None:
     """One launch of the Triton kernel from Python (inputs already validated): the TRITON_INTERPRET path of the
     tests, and a second path to compare the C++ launcher with."""
     num_tokens = input_ids.shape[0]
@@ -156,23 +156,23 @@ def launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sa
 
 
 def prepare_prefill_triton(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
-                            num_rejected, max_model_len, max_num_reqs=None):
+                           num_rejected, max_model_len, max_num_reqs=None):
     """The Triton entry of prepare_prefill from Python (not registered: its CUDA kernel is the C++ launcher of the
     same kernel; the tests call this under TRITON_INTERPRET)."""
     num_reqs = check_inputs(_OP, input_ids, positions, query_start_loc, seq_lens, idx_mapping,
-                             last_sampled, num_rejected, max_model_len)
+                            last_sampled, num_rejected, max_model_len)
     outputs = empty_outputs(input_ids, num_reqs, resolve_max_num_reqs(num_reqs, max_num_reqs))
     launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-            max_model_len, *outputs)
+           max_model_len, *outputs)
     return outputs
 
 
 def prepare_prefill_into_triton(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
-                                 num_rejected, max_model_len, *buffers):
+                                num_rejected, max_model_len, *buffers):
     """The Triton entry of prepare_prefill_into from Python, as prepare_prefill_triton."""
     num_reqs = check_inputs("prepare_prefill_into", input_ids, positions, query_start_loc, seq_lens,
-                             idx_mapping, last_sampled, num_rejected, max_model_len)
+                            idx_mapping, last_sampled, num_rejected, max_model_len)
     check_buffers(input_ids, num_reqs, *buffers)
     launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-            max_model_len, *buffers)
+           max_model_len, *buffers)
 

@@ -322,7 +322,8 @@ def launch_rejection(target_probs, draft_token_ids, draft_probs, seeds, offsets,
         draft_probs.stride(0) if has_q else 0, draft_probs.stride(1) if has_q else 0,
         seeds.stride(0), offsets.stride(0), bonus_token_ids.stride(0) if has_bonus else 0,
         HAS_Q=has_q, HAS_BONUS=has_bonus, COUNT=counters is not None, SPLIT=split,
-        BLOCK_K=triton.next_power_of_2(k + 1), BLOCK_V=block_v, NUM_STAGES=REJECTION_SAMPLE["num_stages"], FAST_LOG=out.is_cuda,
+        BLOCK_K=triton.next_power_of_2(k + 1), BLOCK_V=block_v, NUM_STAGES=REJECTION_SAMPLE["num_stages"],
+        FAST_LOG=out.is_cuda,
         num_warps=REJECTION_SAMPLE["num_warps"],
     )
     return out

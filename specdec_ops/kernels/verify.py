@@ -145,7 +145,7 @@ def plan(batch: int, k: int, vocab: int, device: torch.device, block_v=None, num
 
 
 def launch(target, draft_token_ids, counters, typical, posterior_threshold=0.0, posterior_alpha=0.0,
-            block_v=None, num_chunks=None):
+           block_v=None, num_chunks=None):
     """One launch of the verification kernel (inputs already validated)."""
     batch, k = draft_token_ids.shape
     vocab = target.shape[2]

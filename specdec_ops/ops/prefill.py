@@ -218,7 +218,7 @@ def prepare_prefill_reference(
 
 
 def check_inputs(op, input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
-                  num_rejected, max_model_len) -> int:
+                 num_rejected, max_model_len) -> int:
     """Validates the inputs and returns num_reqs."""
     device = input_ids.device
     tensors = (input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected)
@@ -290,7 +290,7 @@ def empty_outputs(input_ids, num_reqs, max_num_reqs):
 def _prepare_prefill_fake(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
                           num_rejected, max_model_len, max_num_reqs=None):
     num_reqs = check_inputs(_OP, input_ids, positions, query_start_loc, seq_lens, idx_mapping,
-                             last_sampled, num_rejected, max_model_len)
+                            last_sampled, num_rejected, max_model_len)
     return empty_outputs(input_ids, num_reqs, resolve_max_num_reqs(num_reqs, max_num_reqs))
 
 
@@ -298,5 +298,5 @@ def _prepare_prefill_fake(input_ids, positions, query_start_loc, seq_lens, idx_m
 def _prepare_prefill_into_fake(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
                                num_rejected, max_model_len, *buffers):
     num_reqs = check_inputs("prepare_prefill_into", input_ids, positions, query_start_loc, seq_lens,
-                             idx_mapping, last_sampled, num_rejected, max_model_len)
+                            idx_mapping, last_sampled, num_rejected, max_model_len)
     check_buffers(input_ids, num_reqs, *buffers)
