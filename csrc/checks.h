@@ -1,7 +1,7 @@
-// Argument checks for the C++ kernels. Messages follow specdec_ops/_checks.py:
+// Argument checks for the C++ kernels. Messages follow specdec_ops/ops/checks.py:
 // op, argument name, what was expected; each raises a Python ValueError.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <string>
 #include <type_traits>

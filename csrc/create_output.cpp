@@ -1,6 +1,7 @@
 // CPU kernel and C++ CUDA launcher of specdec::create_output (and its
-// .counted overload). The contract is in specdec_ops/output.py.
-#include <ATen/ATen.h>
+// .counted overload). The contract is in specdec_ops/ops/output.py.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -117,7 +118,7 @@ at::Tensor create_output_counted_cpu(const at::Tensor& accepted, const at::Tenso
   return create_output_impl(accepted, substitute_token_ids, draft_token_ids, bonus_token_ids, &counters);
 }
 
-// The Triton kernel (specdec_ops/output.py), launched from C++.
+// The Triton kernel (specdec_ops/kernels/output.py), launched from C++.
 at::Tensor create_output_cuda_impl(const at::Tensor& accepted, const at::Tensor& substitute,
                                    const at::Tensor& draft, const at::Tensor& bonus, const at::Tensor* counters) {
   using G = OutputGeometry;

@@ -1,7 +1,8 @@
 // CPU kernel of specdec::advance_draft_step. The contract is in
-// specdec_ops/draft_step.py; the arithmetic is done in int64 like the
+// specdec_ops/ops/draft_step.py; the arithmetic is done in int64 like the
 // Triton kernel, so both clamp instead of wrapping at the int32 maximum.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>

@@ -2,9 +2,10 @@
 // meet autograd.
 //
 // Each op's contract (shapes, dtypes, semantics) is documented in its Python
-// module under specdec_ops/; CPU kernels live in csrc/<family>.cpp, CUDA
-// kernels (Triton) and fake kernels in specdec_ops/<family>.py. The seed ops
-// (prepare_prefill, create_output) launch their Triton kernels from C++ too.
+// module specdec_ops/ops/<family>.py, with its fake kernel; CPU kernels live in
+// csrc/<family>.cpp, CUDA kernels (Triton) in specdec_ops/kernels/<family>.py.
+// The seed ops (prepare_prefill, create_output) launch their Triton kernels
+// from C++ (the rule: specdec_ops/kernels/launch.py).
 #include <Python.h>
 #include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
@@ -47,7 +48,7 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(specdec, m) {
-  // Draft step-0 input expansion (specdec_ops/prefill.py).
+  // Draft step-0 input expansion (specdec_ops/ops/prefill.py).
   m.def(
       "prepare_prefill(Tensor input_ids, Tensor positions, Tensor query_start_loc, Tensor seq_lens, "
       "Tensor idx_mapping, Tensor last_sampled, Tensor num_rejected, int max_model_len, "
@@ -59,7 +60,7 @@ TORCH_LIBRARY(specdec, m) {
       "Tensor(a!) expanded_input_ids, Tensor(b!) expanded_positions, Tensor(c!) last_token_indices, "
       "Tensor(d!) expanded_query_start_loc, Tensor(e!) expanded_seq_lens) -> ()");
 
-  // Verified-token formatting (specdec_ops/output.py).
+  // Verified-token formatting (specdec_ops/ops/output.py).
   m.def(
       "create_output(Tensor accepted, Tensor substitute_token_ids, Tensor draft_token_ids, "
       "Tensor bonus_token_ids) -> Tensor");
@@ -67,7 +68,7 @@ TORCH_LIBRARY(specdec, m) {
       "create_output.counted(Tensor accepted, Tensor substitute_token_ids, Tensor draft_token_ids, "
       "Tensor bonus_token_ids, Tensor(a!) counters) -> Tensor");
 
-  // Lossless rejection sampling and seeded draft sampling (specdec_ops/sampling.py).
+  // Lossless rejection sampling and seeded draft sampling (specdec_ops/ops/sampling.py).
   m.def(
       "rejection_sample(Tensor target_probs, Tensor draft_token_ids, Tensor? draft_probs, Tensor seeds, "
       "Tensor offsets, Tensor? bonus_token_ids=None) -> Tensor");
@@ -79,7 +80,7 @@ TORCH_LIBRARY(specdec, m) {
       "sample_draft.with_probs(Tensor logits, Tensor temperature, Tensor seeds, Tensor positions, "
       "Tensor(a!) probs) -> Tensor");
 
-  // Deterministic verification (specdec_ops/verify.py).
+  // Deterministic verification (specdec_ops/ops/verify.py).
   m.def("greedy_verify(Tensor target_logits, Tensor draft_token_ids) -> Tensor");
   m.def("greedy_verify.counted(Tensor target_logits, Tensor draft_token_ids, Tensor(a!) counters) -> Tensor");
   m.def(
@@ -89,7 +90,7 @@ TORCH_LIBRARY(specdec, m) {
       "typical_acceptance.counted(Tensor target_probs, Tensor draft_token_ids, float posterior_threshold, "
       "float posterior_alpha, Tensor(a!) counters) -> Tensor");
 
-  // One decode step of the draft loop (specdec_ops/draft_step.py).
+  // One decode step of the draft loop (specdec_ops/ops/draft_step.py).
   m.def(
       "advance_draft_step(Tensor sampled_token_ids, Tensor positions, Tensor seq_lens, int max_model_len) "
       "-> (Tensor input_ids, Tensor next_positions, Tensor next_seq_lens)");

@@ -1,10 +1,11 @@
 // CPU kernel and C++ CUDA launcher of specdec::prepare_prefill and
-// specdec::prepare_prefill_into. The contract is in specdec_ops/prefill.py.
+// specdec::prepare_prefill_into. The contract is in specdec_ops/ops/prefill.py.
 // Out-of-range input values are clamped, as in the Triton kernel, so that no
 // value can make either kernel read or write out of bounds. The rows they
 // affect are unspecified, and there the two kernels may differ (values beyond
 // int32, a non-monotone query_start_loc).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
@@ -94,7 +95,7 @@ void run_cpu(const at::Tensor& input_ids, const at::Tensor& positions, const at:
   for (int64_t r = num_reqs; r <= max_num_reqs; ++r) qsl_out[r] = static_cast<int32_t>(total);
 }
 
-// The Triton kernel (specdec_ops/prefill.py), launched from C++: one launch whose grid depends only on shapes.
+// The Triton kernel (specdec_ops/kernels/prefill.py), launched from C++: one launch whose grid depends only on shapes.
 void run_cuda(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& query_start_loc,
               const at::Tensor& seq_lens, const at::Tensor& idx_mapping, const at::Tensor& last_sampled,
               const at::Tensor& num_rejected, int64_t max_model_len, at::Tensor& out_ids, at::Tensor& out_pos,

@@ -1,9 +1,10 @@
 // CPU kernels of specdec::rejection_sample and specdec::sample_draft (and their
 // overloads). The contract, including the random streams, is in
-// specdec_ops/sampling.py. Unlike the reference, which races every position,
+// specdec_ops/ops/sampling.py. Unlike the reference, which races every position,
 // this kernel evaluates the k accept tests and races over V only at the one
 // rejected (or bonus) position of each request.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -89,7 +90,7 @@ void check_1d_int64(const char* op, const char* name, const at::Tensor& t, int64
   check_size(op, name, t, 0, rows, meaning);
 }
 
-// Segmented race (contract in specdec_ops/sampling.py). tree[0..3] holds a segment's weights on entry;
+// Segmented race (contract in specdec_ops/ops/sampling.py). tree[0..3] holds a segment's weights on entry;
 // build_tree appends the pair sums (tree[4..5]) and the total (tree[6]).
 constexpr int64_t kSegment = 4;
 constexpr int kTreeSize = 7, kPairs = 4, kTotal = 6;

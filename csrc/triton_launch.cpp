@@ -1,6 +1,7 @@
 #include "triton_launch.h"
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/ops/empty.h>
 #include <Python.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -228,7 +229,7 @@ at::Tensor new_cuda_output(c10::IntArrayRef sizes, at::ScalarType dtype, const a
 
 }  // namespace specdec
 
-// Called from Python (specdec_ops/_launch.py) with the compile-and-load function.
+// Called from Python (specdec_ops/kernels/launch.py) with the compile-and-load function.
 extern "C" PyObject* specdec_set_triton_provider(PyObject* /*self*/, PyObject* fn) {
   Py_XINCREF(fn);
   Py_XDECREF(specdec::provider);

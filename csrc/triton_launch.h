@@ -4,11 +4,11 @@
 //
 // The first launch of a kernel specialization (argument dtypes, int widths,
 // constexprs, warps) asks Python to compile it with Triton and load it
-// (specdec_ops/_launch.py registers that provider); later launches reuse the
+// (specdec_ops/kernels/launch.py registers that provider); later launches reuse the
 // loaded function. The driver is reached through dlopen, so this file builds
 // against a CPU-only torch as well.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <array>
 #include <string>
@@ -16,8 +16,9 @@
 
 namespace specdec {
 
-// Launch geometry of the kernels launched from C++ (tuned on the H200);
-// specdec_ops reads it through _C._launch_geometry() for its Python launchers.
+// Launch geometry of the kernels launched from C++ (tuned on the H200): the
+// entries of specdec_ops/kernels/geometry.py, which tests/test_geometry.py
+// checks against _C._launch_geometry().
 struct PrefillGeometry {
   static constexpr int rows = 16;          // requests per program
   static constexpr int slots = 16;         // the tile's first column: all query_len + 1 slots of a decode round

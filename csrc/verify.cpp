@@ -1,12 +1,13 @@
 // CPU kernels of specdec::greedy_verify and specdec::typical_acceptance (and
-// their .counted overloads). The contract is in specdec_ops/verify.py.
+// their .counted overloads). The contract is in specdec_ops/ops/verify.py.
 //
 // Rows (b, i) are reduced in parallel: argmax (first NaN, else the largest
 // value at the lowest index, as torch.argmax) and, for typical acceptance,
 // the entropy accumulated in double. Requests are then assembled serially
 // into the create_output layout. Draft ids outside [0, V) are rejected
 // without being used as an index.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -57,8 +57,7 @@ def replay_us(graph: torch.cuda.CUDAGraph, cover_submission: bool = True) -> flo
     With cover_submission, a spin kernel runs first, so the GPU is still busy when the host has submitted the
     replay, and the begin event is not stamped while the GPU waits for the host: the time is GPU time only (NVBench's
     blocking kernel serves the same end).
-    Without it (the timing of the runs before U1 in benchmarks/RESULTS.md), the span also holds the host's
-    submission of the graph.
+    Without it, the span also holds the host's submission of the graph.
     """
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if cover_submission:

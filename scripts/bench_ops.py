@@ -12,9 +12,10 @@ the chains of dependent memory accesses each op's contract cannot avoid. For pre
 through idx_mapping (the correction token's two dependent loads, then a store), and the request chain,
 every per-request access (five loads indexed by the request, the three loads they address, three stores);
 for create_output one load and a store per row. x.add_(1), timed eager before and after the tables, gauges
-the host's speed. A last table checks the graph timing on the two ops' kernels: the same figure with the host's
-submission of the graph inside the span (the timing of the runs before U1 in benchmarks/RESULTS.md), and the
-slope between graphs of 100 and 300 calls, from which the fixed cost of starting a replay cancels out.
+the host's speed. A fourth table checks the graph timing on the two ops' kernels: the same figure with the host's
+submission of the graph inside the span, and the slope between graphs of 100 and 300 calls, from which the fixed
+cost of starting a replay cancels out. The last one gives this host's launch floor, which bounds every eager column: an empty Triton launch with 17
+arguments through kernel[grid](...), a one-op torch call, torch.empty, and create_output's C++ entry and launch.
 
     python scripts/bench_ops.py [--quick]
 """
@@ -27,14 +28,21 @@ import triton.language as tl
 
 import specdec_ops
 from _timing import eager_us, graph_slope_us, graph_us  # noqa: E402  (scripts/ is on sys.path when run as a script)
+from specdec_ops.kernels import prefill as prefill_kernels
+from specdec_ops.kernels.geometry import LAUNCHED_FROM_CPP
 
-# The ops' launch geometry (csrc/triton_launch.h), so the floor kernels run on the same grids. The floor kernels
+# The ops' launch geometry (kernels/geometry.py), so the floor kernels run on the same grids. The floor kernels
 # let Triton specialize on their sizes and alignment (the ops' kernels do not), so if anything they are faster.
-GEOMETRY = specdec_ops._C._launch_geometry()
+GEOMETRY = LAUNCHED_FROM_CPP
 
 
 @triton.jit
 def empty_kernel(ptr, n):
+    pass
+
+
+@triton.jit
+def empty_kernel_17_args(a, b, c, d, e, f, g, h, i, j, k, l, n1, n2, n3, n4, n5, BLOCK: tl.constexpr):
     pass
 
 
@@ -79,7 +87,7 @@ def copy_kernel(values_ptr, out_ptr, n, ROWS: tl.constexpr):
 def floor_rows(num_reqs, k, device, replays):
     """Graph us per call of the floor kernels on the grids prepare_prefill and create_output use for this size."""
     prefill, output = GEOMETRY["prepare_prefill"], GEOMETRY["create_output"]
-    prefill_grid = specdec_ops.prefill._grid(num_reqs * (k + 1), num_reqs, num_reqs)  # a decode round's batch
+    prefill_grid = prefill_kernels.grid(num_reqs * (k + 1), num_reqs, num_reqs)  # a decode round's batch
     output_grid = (triton.cdiv(num_reqs, output["block_rows"]),)
     index = torch.randperm(num_reqs, device=device).to(torch.int32)
     values = torch.randint(0, 32000, (num_reqs,), device=device, dtype=torch.int32)
@@ -158,6 +166,28 @@ def make_verified(batch, k, device):
     substitute = torch.randint(0, 32000, (batch, k), generator=gen)
     bonus = torch.randint(0, 32000, (batch, 1), generator=gen)
     return [t.to(device) for t in (accepted, substitute, draft, bonus)]
+
+
+def print_launch_floor(iters):
+    """Host time per call of the cheapest launches: what the eager columns cannot go below on this host."""
+    tensors = [torch.zeros(8, device="cuda") for _ in range(12)]
+    x = torch.zeros(3, device="cuda", dtype=torch.long)
+    accepted = torch.rand(64, 4, device="cuda") < 0.7
+    ids = torch.randint(0, 32000, (64, 4), device="cuda")
+    bonus = torch.randint(0, 32000, (64, 1), device="cuda")
+    counters = torch.zeros(3, dtype=torch.int64, device="cuda")
+    print("\nLaunch floor on this host (eager us per call).\n")
+    print("| what | eager us per call |")
+    print("|---|---:|")
+    for what, call in [
+        ("empty Triton kernel, 17 args, kernel[grid](...)",
+         lambda: empty_kernel_17_args[(65,)](*tensors, 1, 2, 3, 4, 5, BLOCK=128, num_warps=1)),
+        ("x.add_(1) on a CUDA tensor", lambda: x.add_(1)),
+        ("specdec_ops.create_output(B=64, counters), C++ entry and launch",
+         lambda: specdec_ops.create_output(accepted, ids, ids, bonus, counters=counters)),
+        ("torch.empty(5, device='cuda')", lambda: torch.empty(5, device="cuda")),
+    ]:
+        print(f"| {what} | {eager_us(call, iters, warmup=50):.1f} |")
 
 
 def main():
@@ -240,6 +270,7 @@ def main():
                              ("create_output", lambda: specdec_ops.create_output(*verified, counters=counters))]:
             print(f"| {name} | {num_reqs} | {graph_us(kernel, replays):.3f} | "
                   f"{graph_us(kernel, replays, cover_submission=False):.3f} | {graph_slope_us(kernel, replays):.3f} |")
+    print_launch_floor(200 if args.quick else 2000)
     return 0
 
 

@@ -1,17 +1,21 @@
 """specdec_ops: speculative-decoding building blocks as `torch.ops.specdec.*` custom ops.
 
 Importing this package registers every op: schemas and CPU kernels from the
-C++ extension, Triton CUDA kernels (when triton is installed) and fake
-kernels for torch.compile. The functions below are thin typed wrappers; each
-op's contract is documented in its own module.
+C++ extension, fake kernels for torch.compile (ops/), and Triton CUDA kernels
+(kernels/, when triton is installed). The functions below are thin typed
+wrappers; each op's contract is documented in its module under ops/.
 """
 from . import _library  # noqa: F401  (loads the C++ extension first)
-from .draft_step import advance_draft_step, advance_draft_step_reference
-from .output import create_output, create_output_reference
+from ._triton import HAS_TRITON
+from .ops.draft_step import advance_draft_step, advance_draft_step_reference
+from .ops.output import create_output, create_output_reference
+from .ops.prefill import PrefillInputs, prepare_prefill, prepare_prefill_into, prepare_prefill_reference
+from .ops.sampling import rejection_sample, rejection_sample_reference, sample_draft, sample_draft_reference
+from .ops.verify import greedy_verify, greedy_verify_reference, typical_acceptance, typical_acceptance_reference
 from .runtime import BlockPool, DraftProposer, ProposerConfig
-from .prefill import PrefillInputs, prepare_prefill, prepare_prefill_into, prepare_prefill_reference
-from .sampling import rejection_sample, rejection_sample_reference, sample_draft, sample_draft_reference
-from .verify import greedy_verify, greedy_verify_reference, typical_acceptance, typical_acceptance_reference
+
+if HAS_TRITON:
+    from . import kernels  # noqa: F401  (registers the CUDA kernels)
 
 __all__ = [
     "BlockPool",

@@ -1,16 +1,13 @@
-"""Optional Triton import: CPU-only installs work without triton.
+"""Whether triton is installed: CPU-only installs work without it.
 
-Op modules define their kernels under `if HAS_TRITON:` and register their
-CUDA implementations only then.
+Only the kernel modules (kernels/) import triton; the package imports them, and so registers the CUDA kernels,
+only when HAS_TRITON.
 """
 try:
-    import triton
-    import triton.language as tl
+    import triton  # noqa: F401
 
     HAS_TRITON = True
 except ImportError:  # pragma: no cover - exercised on installs without triton
-    triton = None
-    tl = None
     HAS_TRITON = False
 
-__all__ = ["triton", "tl", "HAS_TRITON"]
+__all__ = ["HAS_TRITON"]

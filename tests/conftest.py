@@ -1,8 +1,9 @@
 """Test setup: on a machine without CUDA, Triton kernels run in the interpreter.
 
 TRITON_INTERPRET must be set before triton is imported, so this runs first.
-Kernel tests reach the Triton launchers directly (`_..._triton` functions)
-with CPU tensors there; on a GPU they reach them through the dispatcher.
+The `backend` fixture runs a test on the C++ kernel and on the Triton kernel
+(tests/harness.py); the Triton kernels are reached through their kernel
+modules' entries with CPU tensors without CUDA, through the dispatcher with it.
 """
 import contextlib
 import gc
@@ -17,6 +18,13 @@ if not HAS_CUDA:
 import pytest  # noqa: E402
 
 import specdec_ops  # noqa: E402,F401
+from harness import BACKENDS, Backend  # noqa: E402
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """The kernel under test: "cpp" (the CPU kernel) or "triton" (the Triton kernel; tests/harness.py)."""
+    return Backend(request.param)
 
 
 def pytest_collection_modifyitems(config, items):

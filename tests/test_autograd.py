@@ -5,8 +5,7 @@ import torch
 
 import specdec_ops
 
-from test_output import make_verified
-from test_prefill import make_batch
+from samples import make_batch, make_verified
 
 
 def counters():

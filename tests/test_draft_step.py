@@ -3,41 +3,13 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops import draft_step
-from specdec_ops._triton import HAS_TRITON
+from specdec_ops.ops import draft_step
 
 from conftest import HAS_CUDA, sync_forbidden
+from harness import capture_graph, check_bad_input
+from samples import make_step
 
 INT32_MAX = 2**31 - 1
-
-
-def make_step(seed, n, *, max_model_len=64, ids_dtype=torch.int64, pos_dtype=torch.int64,
-              lens_dtype=torch.int32, device="cpu"):
-    """Random step inputs; about a third of the rows sit at or past the max_model_len clamp."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 32000, (n,), generator=gen)
-    positions = torch.randint(0, max_model_len + 3, (n,), generator=gen)
-    # Keep the usual invariant seq_len = position + 1 on most rows, break it on some.
-    seq_lens = torch.where(torch.rand(n, generator=gen) < 0.7, positions + 1,
-                           torch.randint(0, max_model_len + 3, (n,), generator=gen))
-    return (ids.to(ids_dtype).to(device), positions.to(pos_dtype).to(device),
-            seq_lens.to(lens_dtype).to(device), max_model_len)
-
-
-def run_cpu(*args):
-    return torch.ops.specdec.advance_draft_step(*args)
-
-
-def run_triton(*args):
-    if HAS_CUDA:  # through the dispatcher, as users call it
-        cuda_args = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
-        return tuple(o.cpu() for o in torch.ops.specdec.advance_draft_step(*cuda_args))
-    return draft_step._advance_draft_step_triton(*args)
-
-
-KERNELS = [pytest.param(run_cpu, id="cpp")]
-if HAS_TRITON:
-    KERNELS.append(pytest.param(run_triton, id="triton"))
 
 
 def assert_same(actual, expected):
@@ -47,21 +19,19 @@ def assert_same(actual, expected):
         assert torch.equal(a, e), f"{name}:\n{a}\n!=\n{e}"
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("n", [0, 1, 7, 1500])
 @pytest.mark.parametrize("seed", range(2))
-def test_matches_reference(kernel, n, seed):
+def test_matches_reference(backend, n, seed):
     args = make_step(seed + 10 * n, n)
-    assert_same(kernel(*args), draft_step.advance_draft_step_reference(*args))
+    assert_same(backend.advance_draft_step(*args), draft_step.advance_draft_step_reference(*args))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("lens_dtype", [torch.int32, torch.int64])
-def test_every_int_dtype(kernel, ids_dtype, pos_dtype, lens_dtype):
+def test_every_int_dtype(backend, ids_dtype, pos_dtype, lens_dtype):
     args = make_step(3, 33, ids_dtype=ids_dtype, pos_dtype=pos_dtype, lens_dtype=lens_dtype)
-    out = kernel(*args)
+    out = backend.advance_draft_step(*args)
     assert [o.dtype for o in out] == [torch.int32, pos_dtype, lens_dtype]
     assert_same(out, draft_step.advance_draft_step_reference(*args))
 
@@ -79,35 +49,32 @@ def test_known_values():
     assert input_ids.data_ptr() != ids.data_ptr()
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_int32_maximum_clamps_instead_of_wrapping(kernel):
+def test_int32_maximum_clamps_instead_of_wrapping(backend):
     ids = torch.tensor([1, 2], dtype=torch.int32)
     positions = torch.tensor([INT32_MAX, INT32_MAX - 1], dtype=torch.int32)
     seq_lens = torch.tensor([INT32_MAX, 5], dtype=torch.int32)
-    out = kernel(ids, positions, seq_lens, INT32_MAX)
+    out = backend.advance_draft_step(ids, positions, seq_lens, INT32_MAX)
     assert out[1].tolist() == [INT32_MAX - 1, INT32_MAX - 1]
     assert out[2].tolist() == [INT32_MAX, 6]
     assert_same(out, draft_step.advance_draft_step_reference(ids, positions, seq_lens, INT32_MAX))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_max_model_len_one(kernel):
+def test_max_model_len_one(backend):
     args = make_step(4, 9, max_model_len=1)
-    out = kernel(*args)
+    out = backend.advance_draft_step(*args)
     assert out[1].eq(0).all() and out[2].le(1).all()
     assert_same(out, draft_step.advance_draft_step_reference(*args))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_strided_inputs_from_a_column_are_rejected_unless_contiguous(kernel):
+def test_strided_inputs_from_a_column_are_rejected_unless_contiguous(backend):
     # A column of a [n, k] draft-token buffer is strided; the op wants unit stride, so callers pass .contiguous().
     tokens = torch.arange(12).reshape(4, 3)
     positions = torch.arange(4)
     seq_lens = torch.arange(1, 5, dtype=torch.int32)
-    if kernel is run_cpu or not HAS_CUDA:  # .cuda() would make the column contiguous
+    if backend.name == "cpp" or not HAS_CUDA:  # .cuda() would make the column contiguous
         with pytest.raises(ValueError, match="'sampled_token_ids'.*unit stride"):
-            kernel(tokens[:, 1], positions, seq_lens, 100)
-    out = kernel(tokens[:, 1].contiguous(), positions, seq_lens, 100)
+            backend.advance_draft_step(tokens[:, 1], positions, seq_lens, 100)
+    out = backend.advance_draft_step(tokens[:, 1].contiguous(), positions, seq_lens, 100)
     assert out[0].tolist() == [1, 4, 7, 10]
 
 
@@ -131,14 +98,7 @@ def test_bad_inputs_raise_clear_errors(name, mutate, message):
     mutate(a)
     args = (a["ids"], a["positions"], a["seq_lens"], a["max_model_len"])
     pattern = f"advance_draft_step: argument '{name}'.*{message}"
-    with pytest.raises(ValueError, match=pattern):
-        torch.ops.specdec.advance_draft_step(*args)  # C++ checks
-    meta = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in args]
-    with pytest.raises(ValueError, match=pattern):
-        torch.ops.specdec.advance_draft_step(*meta)  # the fake kernel, as tracing runs it
-    if HAS_TRITON and not HAS_CUDA:
-        with pytest.raises(ValueError, match=pattern):
-            draft_step._advance_draft_step_triton(*args)
+    check_bad_input("advance_draft_step", args, match=pattern)
 
 
 def test_device_mix_is_rejected_by_the_fake_kernel():
@@ -202,14 +162,7 @@ def test_cuda_matches_reference(n):
 @pytest.mark.cuda
 def test_cuda_graph_capture_and_replay():
     ids, positions, seq_lens, max_model_len = make_step(30, 64, max_model_len=100, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles the kernel) outside capture
-        specdec_ops.advance_draft_step(ids, positions, seq_lens, max_model_len)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = specdec_ops.advance_draft_step(ids, positions, seq_lens, max_model_len)
+    graph, out = capture_graph(lambda: specdec_ops.advance_draft_step(ids, positions, seq_lens, max_model_len))
     for seed in range(3):  # new values, same shapes
         fresh = make_step(31 + seed, 64, max_model_len=100, device="cuda")
         for static, new in zip((ids, positions, seq_lens), fresh):

@@ -10,10 +10,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import specdec_ops
-from specdec_ops import _C, output, prefill
+from specdec_ops import _C
+from specdec_ops.ops import output, prefill
 
-from test_output import make_verified
-from test_prefill import BAD_INPUTS, make_batch
+from samples import make_batch, make_verified
+from test_prefill import BAD_INPUTS
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 

@@ -3,87 +3,39 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops import output
 from specdec_ops._triton import HAS_TRITON
 
-from conftest import HAS_CUDA, check_outputs_use_torchs_allocator, sync_forbidden
-from test_prefill import make_batch
-
-
-def make_verified(seed, batch, k, *, token_dtype=torch.int64, substitute_dtype=None, accepted_dtype=torch.bool,
-                  bonus_2d=True, pattern="random"):
-    gen = torch.Generator().manual_seed(seed)
-    if pattern == "random":  # non-causal: True after a False must be ignored
-        accepted = torch.rand(batch, k, generator=gen) < 0.7
-    elif pattern == "all":
-        accepted = torch.ones(batch, k, dtype=torch.bool)
-    elif pattern == "none":
-        accepted = torch.zeros(batch, k, dtype=torch.bool)
-    else:  # causal prefix of random length
-        lengths = torch.randint(0, k + 1, (batch, 1), generator=gen)
-        accepted = torch.arange(k)[None] < lengths
-    if accepted_dtype != torch.bool:
-        # nonzero means accepted: use values other than 1 as well, among them the sign bit
-        # alone, whose low bits are all zero (a narrowing conversion would read it as 0)
-        sign_bit = 128 if accepted_dtype == torch.uint8 else torch.iinfo(accepted_dtype).min
-        values = torch.tensor([1, 2, sign_bit], dtype=accepted_dtype)
-        accepted = accepted.to(accepted_dtype) * values[torch.randint(0, 3, (batch, k), generator=gen)]
-    draft = torch.randint(0, 32000, (batch, k), generator=gen, dtype=torch.int64).to(token_dtype)
-    substitute = torch.randint(0, 32000, (batch, k), generator=gen, dtype=torch.int64)
-    substitute = substitute.to(substitute_dtype or token_dtype)
-    bonus = torch.randint(0, 32000, (batch, 1) if bonus_2d else (batch,), generator=gen, dtype=torch.int64)
-    return accepted, substitute, draft, bonus.to(token_dtype)
-
-
-def run_cpp(*args, counters=None):
-    return specdec_ops.create_output(*args, counters=counters)
-
-
-def run_triton(*args, counters=None):
-    if HAS_CUDA:
-        cuda_args = [a.cuda() for a in args]
-        if counters is None:
-            return specdec_ops.create_output(*cuda_args).cpu()
-        cuda_counters = counters.cuda()
-        out = specdec_ops.create_output(*cuda_args, counters=cuda_counters).cpu()
-        counters.copy_(cuda_counters.cpu())
-        return out
-    if counters is None:
-        return output._create_output_triton(*args)
-    return output._create_output_counted_triton(*args, counters)
-
-
-KERNELS = [pytest.param(run_cpp, id="cpp")]
 if HAS_TRITON:
-    KERNELS.append(pytest.param(run_triton, id="triton"))
+    from specdec_ops.kernels import output as output_kernels
+
+from conftest import check_outputs_use_torchs_allocator, sync_forbidden
+from harness import capture_graph, check_bad_input
+from samples import make_batch, make_verified
 
 
-def check(kernel, args):
+def check(backend, args):
     expected_counters = torch.tensor([3, 5, 7])
     expected = specdec_ops.create_output_reference(*args, counters=expected_counters)
     counters = torch.tensor([3, 5, 7])
-    actual = kernel(*args, counters=counters)
+    actual = backend.create_output(*args, counters=counters)
     assert actual.dtype == args[2].dtype
     assert torch.equal(actual, expected), f"\n{actual}\n!=\n{expected}"
     assert torch.equal(counters, expected_counters)
-    assert torch.equal(kernel(*args), expected)
+    assert torch.equal(backend.create_output(*args), expected)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("batch", [0, 1, 7, 300])
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 7, 8])
-def test_matches_reference(kernel, batch, k):
+def test_matches_reference(backend, batch, k):
     for seed in range(3):
-        check(kernel, make_verified(seed * 7 + k, batch, k))
+        check(backend, make_verified(seed * 7 + k, batch, k))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("pattern", ["all", "none", "causal"])
-def test_accept_patterns(kernel, pattern):
-    check(kernel, make_verified(1, 65, 5, pattern=pattern))
+def test_accept_patterns(backend, pattern):
+    check(backend, make_verified(1, 65, 5, pattern=pattern))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(
     "dtypes",
     [
@@ -95,16 +47,15 @@ def test_accept_patterns(kernel, pattern):
     ],
     ids=["int32", "int32-substitute", "int64-accepted", "uint8-accepted", "int32-accepted"],
 )
-def test_every_allowed_dtype(kernel, dtypes):
-    check(kernel, make_verified(2, 33, 4, **dtypes))
+def test_every_allowed_dtype(backend, dtypes):
+    check(backend, make_verified(2, 33, 4, **dtypes))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_strided_inputs(kernel):
+def test_strided_inputs(backend):
     accepted, substitute, draft, bonus = make_verified(3, 20, 6)
     # Row-strided views, as slices of wider buffers are.
     wide = lambda t: torch.cat([t, t], dim=1)[:, : t.shape[1]]  # noqa: E731
-    check(kernel, (wide(accepted), wide(substitute), wide(draft), bonus))
+    check(backend, (wide(accepted), wide(substitute), wide(draft), bonus))
 
 
 def test_known_rows():
@@ -118,14 +69,13 @@ def test_known_rows():
     assert counters.tolist() == [2 + 3 + 2 + 2, 3 + 4 + 1 + 2, 12]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_accepted_minus_one_draft_emits_no_bonus(kernel):
+def test_accepted_minus_one_draft_emits_no_bonus(backend):
     # As in the seed: the bonus goes out only when the last draft column holds a token other than -1.
     accepted = torch.ones(2, 2, dtype=torch.bool)
     draft = torch.tensor([[5, -1], [5, 6]])
     args = (accepted, draft + 1, draft, torch.tensor([[9], [9]]))
-    check(kernel, args)
-    assert kernel(*args).tolist() == [[5, -1, -1], [5, 6, 9]]
+    check(backend, args)
+    assert backend.create_output(*args).tolist() == [[5, -1, -1], [5, 6, 9]]
 
 
 BAD_INPUTS = [
@@ -143,20 +93,13 @@ BAD_INPUTS = [
 def test_bad_inputs_raise_clear_errors(name, mutate, message):
     args = list(make_verified(4, 5, 3))
     mutate(args)
-    with pytest.raises(ValueError, match=f"'{name}'.*{message}"):
-        specdec_ops.create_output(*args)
-    meta = [a.to("meta") for a in args]
-    with pytest.raises(ValueError, match=f"'{name}'.*{message}"):
-        specdec_ops.create_output(*meta)
+    check_bad_input("create_output", args, match=f"'{name}'.*{message}")
 
 
 def test_bad_counters_raise_clear_errors():
     args = make_verified(5, 5, 3)
     for counters in (torch.zeros(3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64)):
-        with pytest.raises(ValueError, match="'counters'"):
-            specdec_ops.create_output(*args, counters=counters)
-        with pytest.raises(ValueError, match="'counters'"):
-            specdec_ops.create_output(*[a.to("meta") for a in args], counters=counters.to("meta"))
+        check_bad_input("create_output", args, {"counters": counters}, match="'counters'")
 
 
 def test_zero_columns_rejected():
@@ -253,15 +196,8 @@ def test_cuda_output_comes_from_torchs_allocator():
 def test_cuda_graph_capture_replay_and_no_sync():
     static = [a.cuda() for a in make_verified(9, 64, 4)]
     counters = torch.zeros(3, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        specdec_ops.create_output(*static, counters=counters)
-    torch.cuda.current_stream().wait_stream(stream)
-    counters.zero_()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = specdec_ops.create_output(*static, counters=counters)
+    graph, out = capture_graph(lambda: specdec_ops.create_output(*static, counters=counters))
+    counters.zero_()  # the warm-up call added to them
     expected_counters = torch.zeros(3, dtype=torch.int64)
     for seed in range(3):
         fresh = make_verified(10 + seed, 64, 4, pattern="random" if seed else "causal")
@@ -309,10 +245,10 @@ def test_cuda_cpp_launcher_matches_python_launcher(counted):
         if counted:
             from_cpp, from_python = (torch.tensor([1, 2, 3], device="cuda") for _ in range(2))
             out = torch.ops.specdec.create_output.counted(*args, from_cpp)
-            assert torch.equal(out, output._create_output_counted_triton(*args, from_python))
+            assert torch.equal(out, output_kernels.create_output_triton(*args, from_python))
             assert torch.equal(from_cpp, from_python)
         else:
-            assert torch.equal(torch.ops.specdec.create_output.default(*args), output._create_output_triton(*args))
+            assert torch.equal(torch.ops.specdec.create_output.default(*args), output_kernels.create_output_triton(*args))
 
 
 @pytest.mark.parametrize("overload", ["default", "counted"])

@@ -1,78 +1,27 @@
 """specdec::prepare_prefill and prepare_prefill_into against the reference."""
-import random
 
 import pytest
 import torch
 
 import specdec_ops
-from specdec_ops import prefill
 from specdec_ops._triton import HAS_TRITON
+from specdec_ops.ops import prefill
 
-from conftest import HAS_CUDA, check_outputs_use_torchs_allocator, sync_forbidden
+if HAS_TRITON:
+    from specdec_ops.kernels import geometry
+    from specdec_ops.kernels import prefill as prefill_kernels
 
-
-def make_batch(seed, num_reqs, *, max_query_len=9, long_query=False, max_model_len=4096, num_slots=None,
-               ids_dtype=torch.int32, pos_dtype=torch.int64, qsl_dtype=torch.int32, misc_dtype=torch.int32,
-               last_dtype=torch.int64, rejected_dtype=torch.int32, num_tokens=None, query_lens=None, device="cpu"):
-    """A random target batch: query lengths, rejections, slot permutation, positions near max_model_len.
-
-    With num_tokens, the token batch is padded to that length past the last request; query_lens, when given,
-    sets the num_reqs query lengths.
-    """
-    gen = random.Random(seed)
-    if query_lens is None:
-        query_lens = [gen.randint(1, max_query_len) for _ in range(num_reqs)]
-    query_lens = list(query_lens)
-    if long_query and num_reqs:
-        query_lens[gen.randrange(num_reqs)] = gen.randint(1000, 3000)  # a whole prompt as draft prefill
-    pad_tokens = 0 if num_tokens is None else num_tokens - sum(query_lens)
-    assert pad_tokens >= 0
-    num_tokens = sum(query_lens)
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    num_slots = num_slots or num_reqs + gen.randint(0, 5)
-    idx_mapping = gen.sample(range(max(num_slots, 1)), num_reqs)
-    positions, seq_lens = [], []
-    for q in query_lens:
-        # Some requests run into max_model_len so that clamping is exercised.
-        start = gen.choice([0, gen.randint(0, max_model_len - 1), max_model_len - gen.randint(1, q + 2)])
-        start = max(start, 0)
-        positions.extend(range(start, start + q))
-        seq_lens.append(start + q)
-    num_rejected = [gen.randint(0, q) for q in query_lens]
-    def t(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
-    return dict(
-        input_ids=t([gen.randint(0, 50000) for _ in range(num_tokens + pad_tokens)], ids_dtype),
-        positions=t(positions + [0] * pad_tokens, pos_dtype),
-        query_start_loc=t(qsl, qsl_dtype),
-        seq_lens=t(seq_lens, misc_dtype),
-        idx_mapping=t(idx_mapping, misc_dtype),
-        last_sampled=t([gen.randint(0, 50000) for _ in range(max(num_slots, 1))], last_dtype),
-        num_rejected=t(num_rejected, rejected_dtype),
-        max_model_len=max_model_len,
-    )
+from conftest import check_outputs_use_torchs_allocator, sync_forbidden
+from harness import Backend, check_bad_input
+from samples import make_batch
 
 
 def to_cuda(batch):
     return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def run_cpu(batch, max_num_reqs=None):
-    return prefill.PrefillInputs(*torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=max_num_reqs))
-
-
-def run_triton(batch, max_num_reqs=None):
-    if HAS_CUDA:  # through the dispatcher, as users call it
-        out = torch.ops.specdec.prepare_prefill(**to_cuda(batch), max_num_reqs=max_num_reqs)
-        return prefill.PrefillInputs(*(o.cpu() for o in out))
-    return prefill.PrefillInputs(*prefill._prepare_prefill_triton(**batch, max_num_reqs=max_num_reqs))
-
-
-KERNELS = [pytest.param(run_cpu, id="cpp")]
-if HAS_TRITON:
-    KERNELS.append(pytest.param(run_triton, id="triton"))
+def run(backend, batch, max_num_reqs=None):
+    return backend.prepare_prefill(**batch, max_num_reqs=max_num_reqs)
 
 
 def assert_same(actual, expected):
@@ -81,15 +30,13 @@ def assert_same(actual, expected):
         assert torch.equal(a, e), f"{name}:\n{a}\n!=\n{e}"
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_reqs", [0, 1, 2, 7, 33])
 @pytest.mark.parametrize("seed", range(4))
-def test_matches_reference(kernel, num_reqs, seed):
+def test_matches_reference(backend, num_reqs, seed):
     batch = make_batch(seed * 100 + num_reqs, num_reqs)
-    assert_same(kernel(batch), specdec_ops.prepare_prefill_reference(**batch))
+    assert_same(run(backend, batch), specdec_ops.prepare_prefill_reference(**batch))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(
     "dtypes",
     [
@@ -100,66 +47,60 @@ def test_matches_reference(kernel, num_reqs, seed):
     ],
     ids=["int64-mostly", "mixed"],
 )
-def test_every_int_dtype(kernel, dtypes):
+def test_every_int_dtype(backend, dtypes):
     batch = make_batch(5, 9, **dtypes)
-    assert_same(kernel(batch), specdec_ops.prepare_prefill_reference(**batch))
+    assert_same(run(backend, batch), specdec_ops.prepare_prefill_reference(**batch))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("max_num_reqs_extra", [1, 5, 300])
-def test_padding_rows_past_num_reqs(kernel, max_num_reqs_extra):
+def test_padding_rows_past_num_reqs(backend, max_num_reqs_extra):
     batch = make_batch(11, 6)
-    out = kernel(batch, max_num_reqs=6 + max_num_reqs_extra)
+    out = run(backend, batch, max_num_reqs=6 + max_num_reqs_extra)
     assert_same(out, specdec_ops.prepare_prefill_reference(**batch, max_num_reqs=6 + max_num_reqs_extra))
     total = batch["input_ids"].shape[0] + 6
     assert (out.expanded_query_start_loc[6:] == total).all()
     assert (out.expanded_seq_lens[6:] == 0).all() and (out.last_token_indices[6:] == 0).all()
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_long_queries(kernel):
+def test_long_queries(backend):
     # Query lengths of 1000-3000 tokens: the draft prefill of a whole prompt.
     batch = make_batch(21, 5, long_query=True)
-    assert_same(kernel(batch), specdec_ops.prepare_prefill_reference(**batch))
+    assert_same(run(backend, batch), specdec_ops.prepare_prefill_reference(**batch))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_long_queries_at_tile_edges(kernel):
+def test_long_queries_at_tile_edges(backend):
     # A request with more slots than a tile's first column holds continues on its own, LONG_SLOTS
     # slots per step: several in one tile, at its first and last rows, in two tiles, and lengths
     # on either side of each boundary.
-    rows, slots, long_slots = (prefill._GEOMETRY[name] for name in ("rows", "slots", "long_slots"))
+    rows, slots, long_slots = (geometry.PREPARE_PREFILL[name] for name in ("rows", "slots", "long_slots"))
     query_lens = [3] * (2 * rows + 3)
     for row, length in ((0, slots - 1), (1, slots), (5, slots + 1), (rows - 1, slots + long_slots),
                         (rows, slots + long_slots - 1), (rows + 2, 2500), (2 * rows + 2, slots + long_slots + 1)):
         query_lens[row] = length
     batch = make_batch(23, len(query_lens), query_lens=query_lens)
-    assert_same(kernel(batch), specdec_ops.prepare_prefill_reference(**batch))
+    assert_same(run(backend, batch), specdec_ops.prepare_prefill_reference(**batch))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_many_requests(kernel):
+def test_many_requests(backend):
     batch = make_batch(22, 1024, max_query_len=5)
-    assert_same(kernel(batch), specdec_ops.prepare_prefill_reference(**batch))
+    assert_same(run(backend, batch), specdec_ops.prepare_prefill_reference(**batch))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_token_batch_padded_past_requests(kernel):
+def test_token_batch_padded_past_requests(backend):
     # CUDA-graph engines pad the token batch: slots past the last request hold token 0 at position 0.
     batch = make_batch(23, 4, max_query_len=5, num_tokens=33)
-    out = kernel(batch)
+    out = run(backend, batch)
     assert_same(out, specdec_ops.prepare_prefill_reference(**batch))
     used = int(batch["query_start_loc"][-1]) + 4
     assert used < 33 + 4
     assert (out.expanded_input_ids[used:] == 0).all() and (out.expanded_positions[used:] == 0).all()
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_clamps_to_max_model_len(kernel):
+def test_clamps_to_max_model_len(backend):
     batch = make_batch(24, 3, max_model_len=16, max_query_len=6)
     batch["positions"] = torch.arange(batch["positions"].shape[0]) + 10
     batch["seq_lens"] = torch.full((3,), 16, dtype=torch.int32)
-    out = kernel(batch)
+    out = run(backend, batch)
     assert_same(out, specdec_ops.prepare_prefill_reference(**batch))
     assert int(out.expanded_positions.max()) == 15
     assert (out.expanded_seq_lens == 16).all()
@@ -185,22 +126,8 @@ def test_known_layout():
     assert out.expanded_seq_lens.tolist() == [9, 3, 0]
 
 
-def run_into_cpu(batch, buffers):
-    torch.ops.specdec.prepare_prefill_into(**batch, **buffers)
-
-
-def run_into_triton(batch, buffers):
-    prefill._prepare_prefill_into_triton(*batch.values(), *buffers.values())
-
-
-INTO_KERNELS = [pytest.param(run_into_cpu, id="cpp")]
-if HAS_TRITON and not HAS_CUDA:
-    INTO_KERNELS.append(pytest.param(run_into_triton, id="triton"))
-
-
-@pytest.mark.parametrize("kernel", INTO_KERNELS)
 @pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
-def test_into_persistent_buffers(kernel, ids_dtype):
+def test_into_persistent_buffers(backend, ids_dtype):
     batch = make_batch(31, 5)
     max_num_reqs, max_tokens = 8, 200
     sentinel = -7
@@ -211,7 +138,7 @@ def test_into_persistent_buffers(kernel, ids_dtype):
         expanded_query_start_loc=torch.full((max_num_reqs + 1,), sentinel, dtype=torch.int32),
         expanded_seq_lens=torch.full((max_num_reqs,), sentinel, dtype=torch.int32),
     )
-    kernel(batch, buffers)
+    assert backend.prepare_prefill_into(**batch, **buffers) is None
     expected = specdec_ops.prepare_prefill_reference(**batch, max_num_reqs=max_num_reqs)
     total = expected.expanded_input_ids.shape[0]
     assert torch.equal(buffers["expanded_input_ids"][:total], expected.expanded_input_ids.to(ids_dtype))
@@ -230,11 +157,10 @@ def out_of_range_batch(seed):
     return batch
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_out_of_range_values_are_clamped(kernel):
+def test_out_of_range_values_are_clamped(backend):
     # Values are not validated on the device; slots and rejection counts are clamped, never dereferenced.
     batch = out_of_range_batch(41)
-    out = kernel(batch)
+    out = run(backend, batch)
     allowed = set(batch["input_ids"].tolist()) | set(batch["last_sampled"].tolist()) | {0}
     assert set(out.expanded_input_ids.tolist()) <= allowed
     assert 0 <= int(out.expanded_positions.min()) and int(out.expanded_positions.max()) < batch["max_model_len"]
@@ -244,17 +170,16 @@ def test_cpp_and_triton_agree_on_out_of_range_values():
     if not HAS_TRITON:
         pytest.skip("triton not installed")
     batch = out_of_range_batch(42)
-    assert_same(run_cpu(batch), run_triton(batch))
+    assert_same(run(Backend("cpp"), batch), run(Backend("triton"), batch))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_malformed_query_start_loc_stays_in_bounds(kernel):
+def test_malformed_query_start_loc_stays_in_bounds(backend):
     # A non-monotone or out-of-range query_start_loc gives unspecified rows, but no out-of-bounds access.
     batch = out_of_range_batch(43)
     batch["query_start_loc"] = batch["query_start_loc"].clone()
     batch["query_start_loc"][3] = 10**6
     batch["query_start_loc"][4] = -10**6
-    out = kernel(batch)
+    out = run(backend, batch)
     assert out.expanded_input_ids.shape == (batch["input_ids"].shape[0] + 6,)
     assert out.expanded_query_start_loc.shape == (7,)
 
@@ -278,23 +203,12 @@ BAD_INPUTS = [
 def test_bad_inputs_raise_clear_errors(name, mutate, message):
     batch = make_batch(51, 3)
     mutate(batch)
-    with pytest.raises(ValueError, match=f"'{name}'.*{message}|{message}.*'{name}'|'{name}'"):
-        torch.ops.specdec.prepare_prefill(**batch)  # C++ checks
-    fake_batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    with pytest.raises(ValueError, match=f"'{name}'"):
-        torch.ops.specdec.prepare_prefill(**fake_batch)  # the fake kernel, as tracing runs it
-    if HAS_TRITON and not HAS_CUDA:
-        with pytest.raises(ValueError, match=f"'{name}'"):
-            prefill._prepare_prefill_triton(**batch)
+    check_bad_input("prepare_prefill", (), batch, match=f"'{name}'.*{message}|{message}.*'{name}'|'{name}'")
 
 
 def test_max_num_reqs_below_num_reqs_is_rejected():
     batch = make_batch(52, 4)
-    with pytest.raises(ValueError, match="'max_num_reqs'"):
-        torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=3)
-    meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    with pytest.raises(ValueError, match="'max_num_reqs'"):
-        torch.ops.specdec.prepare_prefill(**meta, max_num_reqs=3)
+    check_bad_input("prepare_prefill", (), {**batch, "max_num_reqs": 3}, match="'max_num_reqs'")
 
 
 def test_device_mix_is_rejected_by_the_fake_kernel():
@@ -367,16 +281,11 @@ def test_cuda_graph_capture_and_replay():
         expanded_query_start_loc=torch.zeros(max_num_reqs + 1, dtype=torch.int32, device="cuda"),
         expanded_seq_lens=torch.zeros(max_num_reqs, dtype=torch.int32, device="cuda"),
     )
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles the kernel) outside capture
+    def round_():
         specdec_ops.prepare_prefill_into(**static, **buffers)
-        functional = specdec_ops.prepare_prefill(**static, max_num_reqs=max_num_reqs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        specdec_ops.prepare_prefill_into(**static, **buffers)
-        functional = specdec_ops.prepare_prefill(**static, max_num_reqs=max_num_reqs)
+        return specdec_ops.prepare_prefill(**static, max_num_reqs=max_num_reqs)
+
+    graph, functional = capture_graph(round_)
     for seed in range(3):  # new values, same shapes
         fresh = make_batch(72 + seed, 16, max_query_len=5, num_tokens=80, num_slots=20)
         for k, v in fresh.items():
@@ -414,7 +323,7 @@ def test_cuda_cpp_launcher_matches_python_launcher():
                                                 (17, dict(long_query=True, last_dtype=torch.int32))]):
         batch = make_batch(seed, num_reqs, device="cuda", **kwargs)
         from_cpp = torch.ops.specdec.prepare_prefill(**batch, max_num_reqs=num_reqs + 3)
-        from_python = prefill._prepare_prefill_triton(**batch, max_num_reqs=num_reqs + 3)
+        from_python = prefill_kernels.prepare_prefill_triton(**batch, max_num_reqs=num_reqs + 3)
         for got, want in zip(from_cpp, from_python):
             assert torch.equal(got, want)
 

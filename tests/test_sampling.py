@@ -6,84 +6,56 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops import _launch, sampling
 from specdec_ops._triton import HAS_TRITON
+from specdec_ops.ops import counter_hash, sampling
+
+if HAS_TRITON:
+    from specdec_ops.kernels import geometry, scratch
+    from specdec_ops.kernels import sampling as sampling_kernels
 
 from conftest import HAS_CUDA, sync_forbidden
+from harness import Backend, capture_graph, check_bad_input
+from samples import make_case, make_logits, normalized
 
 
-def normalized(t):
-    return t / t.sum(-1, keepdim=True)
+def run(backend, args, counters=None, num_chunks=None, block_v=None):
+    """rejection_sample on the backend; on the Triton backend a forced split (num_chunks, block_v) runs the
+    launcher itself (the C++ kernel has no split)."""
+    if backend.name == "cpp" or (num_chunks is None and block_v is None):
+        return backend.rejection_sample(*args, counters=counters)
+    device = "cuda" if HAS_CUDA else "cpu"
+    on_device = [None if a is None else a.to(device) for a in args]
+    device_counters = None if counters is None else counters.to(device)
+    sampling.check_rejection_inputs(*on_device, device_counters)
+    out = sampling_kernels.launch_rejection(*on_device, device_counters, num_chunks=num_chunks, block_v=block_v)
+    if counters is not None:
+        counters.copy_(device_counters.cpu())
+    return out.cpu()
 
 
-def make_case(seed, batch, k, vocab, *, has_q=True, has_bonus=False, token_dtype=torch.int64,
-              prob_dtype=torch.float32, invalid_ids=True):
-    """Random verification inputs; drafts mostly drawn from q so that some rows accept several tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    p = normalized(torch.rand(batch, k + 1, vocab, generator=gen) ** 3)
-    q = normalized(torch.rand(batch, k, vocab, generator=gen) ** 3)
-    # Mix q into p so acceptance rates are high enough to reach the bonus column.
-    p[:, :k] = normalized(p[:, :k] * 0.3 + q * 0.7)
-    draft = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(batch, k)
-    if invalid_ids:
-        bad = torch.rand(batch, k, generator=gen) < 0.1
-        draft = torch.where(bad, torch.tensor([-1, vocab, 10**9, -7])[torch.randint(0, 4, (batch, k), generator=gen)],
-                            draft)
-    seeds = torch.randint(-2**62, 2**62, (batch,), generator=gen)
-    offsets = torch.randint(0, 2**40, (batch,), generator=gen)
-    bonus = torch.randint(0, vocab, (batch, 1), generator=gen).to(token_dtype) if has_bonus else None
-    return (p.to(prob_dtype), draft.to(token_dtype), q.to(prob_dtype) if has_q else None, seeds, offsets, bonus)
+TRITON = Backend("triton")
 
 
-def run_cpp(args, counters=None, **_):
-    return specdec_ops.rejection_sample(*args, counters=counters)
-
-
-def run_triton(args, counters=None, num_chunks=None, block_v=None):
-    """The Triton kernel: through the op on CUDA, through the launcher under the interpreter or when a split is
-    forced (num_chunks, block_v)."""
-    forced = num_chunks is not None or block_v is not None
-    if HAS_CUDA:
-        cuda_args = [None if a is None else a.cuda() for a in args]
-        cuda_counters = None if counters is None else counters.cuda()
-        if forced:
-            sampling._check_rejection_inputs(*cuda_args, cuda_counters)
-            out = sampling._launch_rejection(*cuda_args, cuda_counters, num_chunks=num_chunks, block_v=block_v)
-        else:
-            out = specdec_ops.rejection_sample(*cuda_args, counters=cuda_counters)
-        if counters is not None:
-            counters.copy_(cuda_counters.cpu())
-        return out.cpu()
-    sampling._check_rejection_inputs(*args, counters)
-    return sampling._launch_rejection(*args, counters, num_chunks=num_chunks, block_v=block_v)
-
-
-KERNELS = [pytest.param(run_cpp, id="cpp")]
-if HAS_TRITON:
-    KERNELS.append(pytest.param(run_triton, id="triton"))
-
-
-def check_against_reference(kernel, args, **kwargs):
+def check_against_reference(backend, args, **kwargs):
     expected_counters = torch.tensor([5, 6, 7])
     expected = specdec_ops.rejection_sample_reference(*args, counters=expected_counters)
     counters = torch.tensor([5, 6, 7])
-    got = kernel(args, counters=counters, **kwargs)
+    got = run(backend, args, counters=counters, **kwargs)
     assert got.dtype == args[1].dtype
     assert torch.equal(got, expected)
     assert torch.equal(counters, expected_counters)
-    assert torch.equal(kernel(args, **kwargs), expected)  # the plain overload agrees
+    assert torch.equal(run(backend, args, **kwargs), expected)  # the plain overload agrees
     return expected
 
 
 # --- rejection_sample: exact agreement ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("has_q,has_bonus", [(True, False), (False, False), (True, True), (False, True)])
 @pytest.mark.parametrize("batch,k,vocab", [(6, 3, 37), (5, 1, 2), (3, 5, 1500)])
-def test_rejection_matches_reference(kernel, has_q, has_bonus, batch, k, vocab):
+def test_rejection_matches_reference(backend, has_q, has_bonus, batch, k, vocab):
     args = make_case(batch * 1000 + k * 10 + vocab, batch, k, vocab, has_q=has_q, has_bonus=has_bonus)
-    out = check_against_reference(kernel, args)
+    out = check_against_reference(backend, args)
     emitted = out[:, :k] if has_bonus else out  # caller-given bonus ids are copied, not sampled
     assert ((emitted >= -1) & (emitted < vocab)).all()
 
@@ -94,7 +66,7 @@ def test_rejection_matches_reference(kernel, has_q, has_bonus, batch, k, vocab):
 def test_triton_split_vocab_matches_reference(num_chunks, has_q):
     """Several programs per row (atomic max + ticket) give the single-program answer."""
     args = make_case(7 + num_chunks, 4, 3, 2500, has_q=has_q)
-    check_against_reference(run_triton, args, num_chunks=num_chunks)
+    check_against_reference(TRITON, args, num_chunks=num_chunks)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -105,9 +77,9 @@ def test_triton_split_leaves_the_scratch_zeroed():
         args = make_case(40 + seed, 5, 2, 700, has_q=seed != 1)
         expected = specdec_ops.rejection_sample_reference(*args)
         on_device = [None if a is None else a.to(device) for a in args]
-        got = sampling._launch_rejection(*on_device, None, num_chunks=3, block_v=256)
+        got = sampling_kernels.launch_rejection(*on_device, None, num_chunks=3, block_v=256)
         assert torch.equal(got.cpu(), expected)
-        assert int(_launch._scratch[got.device].count_nonzero()) == 0
+        assert int(scratch._scratch[got.device].count_nonzero()) == 0
 
 
 @pytest.mark.cuda
@@ -115,13 +87,13 @@ def test_cuda_scratch_allocated_in_a_graph_pool_is_not_kept(monkeypatch):
     """Scratch first allocated inside a private memory pool (as during cudagraph warmup) serves that call only."""
     if not hasattr(torch.cuda, "MemPool"):
         pytest.skip("torch.cuda.MemPool is missing")
-    monkeypatch.setattr(_launch, "_scratch", {})
+    monkeypatch.setattr(scratch, "_scratch", {})
     device = torch.device("cuda", torch.cuda.current_device())
     with torch.cuda.use_mem_pool(torch.cuda.MemPool()):
-        in_pool = _launch.zeroed_scratch(device, 10)
-    assert device not in _launch._scratch and int(in_pool.count_nonzero()) == 0
-    kept = _launch.zeroed_scratch(device, 10)
-    assert _launch._scratch[device] is kept
+        in_pool = scratch.zeroed_scratch(device, 10)
+    assert device not in scratch._scratch and int(in_pool.count_nonzero()) == 0
+    kept = scratch.zeroed_scratch(device, 10)
+    assert scratch._scratch[device] is kept
 
 
 def test_all_outcomes_occur():
@@ -132,18 +104,16 @@ def test_all_outcomes_occur():
     assert set(first_minus_one.tolist()) == {1, 2, 3, 4}
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("token_dtype,prob_dtype", [(torch.int32, torch.float32), (torch.int64, torch.float16),
                                                     (torch.int32, torch.bfloat16)])
-def test_rejection_dtypes(kernel, token_dtype, prob_dtype):
-    if prob_dtype == torch.bfloat16 and kernel in (run_triton, draft_triton) and not HAS_CUDA:
+def test_rejection_dtypes(backend, token_dtype, prob_dtype):
+    if prob_dtype == torch.bfloat16 and backend.name == "triton" and not HAS_CUDA:
         pytest.skip("no bfloat16 in the Triton interpreter")
     args = make_case(3, 5, 2, 40, has_bonus=True, token_dtype=token_dtype, prob_dtype=prob_dtype)
-    check_against_reference(kernel, args)
+    check_against_reference(backend, args)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_rejection_strided_and_expanded_inputs(kernel):
+def test_rejection_strided_and_expanded_inputs(backend):
     """Batch stride 0 (one distribution broadcast over rows) and non-contiguous rows."""
     base = make_case(5, 1, 3, 30)
     batch = 9
@@ -153,11 +123,11 @@ def test_rejection_strided_and_expanded_inputs(kernel):
     seeds = torch.arange(batch, dtype=torch.int64) * 3 + 1
     offsets = torch.arange(2 * batch, dtype=torch.int64)[::2]
     assert p.stride(0) == 0 and draft.stride(1) == 2
-    if kernel is run_cpp or not HAS_CUDA:  # .cuda() would make the strided ids contiguous
+    if backend.name == "cpp" or not HAS_CUDA:  # .cuda() would make the strided ids contiguous
         with pytest.raises(ValueError, match="draft_token_ids"):
-            kernel((p, draft, q, seeds, offsets, None))  # non-unit last stride is refused
+            run(backend, (p, draft, q, seeds, offsets, None))  # non-unit last stride is refused
     args = (p, draft.contiguous(), q, seeds, offsets, None)
-    check_against_reference(kernel, args)
+    check_against_reference(backend, args)
 
 
 @pytest.mark.cuda
@@ -194,8 +164,8 @@ def test_counted_adds_what_create_output_counted_adds():
         safe = torch.where(valid, draft, 0)
         p_x = p[:, :k].gather(2, safe[..., None])[..., 0]
         q_x = q.gather(2, safe[..., None])[..., 0] if has_q else torch.ones_like(p_x)
-        bits = sampling.random_bits(seeds[:, None], offsets[:, None] + torch.arange(k), sampling.ACCEPT, 0)
-        accepted = valid & (sampling.uniform_from_bits(bits) * q_x < p_x)
+        bits = counter_hash.random_bits(seeds[:, None], offsets[:, None] + torch.arange(k), counter_hash.ACCEPT, 0)
+        accepted = valid & (counter_hash.uniform_from_bits(bits) * q_x < p_x)
         assert (accepted.int().diff(dim=1) > 0).any()  # an accept after a rejection is counted too
         expected_counters = torch.tensor([1, 2, 3])
         expected = specdec_ops.create_output(accepted, out[:, :k], draft, out[:, k], counters=expected_counters)
@@ -203,22 +173,20 @@ def test_counted_adds_what_create_output_counted_adds():
         assert torch.equal(counters, expected_counters)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_out_of_range_draft_ids_are_rejected(kernel):
+def test_out_of_range_draft_ids_are_rejected(backend):
     vocab = 8
     p = normalized(torch.ones(3, 3, vocab))
     draft = torch.tensor([[-1, 0], [vocab, 0], [2**40, 0]])
     args = (p, draft, None, torch.arange(3), torch.zeros(3, dtype=torch.int64), None)
-    out = kernel(args)
+    out = run(backend, args)
     assert (out[:, 0] >= 0).all() and (out[:, 0] < vocab).all()
     assert (out[:, 1:] == -1).all()
-    check_against_reference(kernel, args)
+    check_against_reference(backend, args)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_chunks,block_v", [(None, None), (1, None), (3, 64)])
 @pytest.mark.parametrize("has_q,has_bonus", [(True, False), (False, True)])
-def test_non_finite_probabilities_give_tokens_in_range(kernel, num_chunks, block_v, has_q, has_bonus):
+def test_non_finite_probabilities_give_tokens_in_range(backend, num_chunks, block_v, has_q, has_bonus):
     """Rows of NaN, inf, negative or zero probabilities have unspecified tokens, but never ones outside [0, V);
     the finite rows of the same batch, and every row's accept decisions, stay exactly as in the reference."""
     vocab, num_bad = 700, 7
@@ -232,7 +200,7 @@ def test_non_finite_probabilities_give_tokens_in_range(kernel, num_chunks, block
     p[5] = 0.0
     p[6, :, 1::2] = nan
     args = (p, draft, q if has_q else None, seeds, offsets, bonus)
-    out = kernel(args, num_chunks=num_chunks, block_v=block_v)
+    out = run(backend, args, num_chunks=num_chunks, block_v=block_v)
     expected = specdec_ops.rejection_sample_reference(*args)
     assert torch.equal(out[num_bad:], expected[num_bad:])
     assert torch.equal(out == -1, expected == -1)  # where each row stops is specified for every row
@@ -240,20 +208,19 @@ def test_non_finite_probabilities_give_tokens_in_range(kernel, num_chunks, block
         emitted = int((row != -1).sum())
         assert emitted >= 1 and (row[emitted:] == -1).all(), row
         assert ((row[:emitted] >= 0) & (row[:emitted] < vocab)).all(), row
-    assert all(int(buf.count_nonzero()) == 0 for buf in _launch._scratch.values())
+    assert all(int(buf.count_nonzero()) == 0 for buf in scratch._scratch.values())
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_chunks,block_v", [(None, None), (1, 16), (3, 16)])
-def test_an_infinite_exponential_never_wins(kernel, num_chunks, block_v):
+def test_an_infinite_exponential_never_wins(backend, num_chunks, block_v):
     """w rounding to 1 gives E = +inf and a key of 0: a later segment of the same lane with any positive residual
     beats it, as in the reference. Seed 366847 at position 0 draws E = inf for segment 39 of the residual race
     (draw 78); `later` is in the same lane for blocks of 16 entries and, in one chunk, for the default block."""
     seed, segment = 366847, 39
-    later = segment + sampling._BLOCK_V // sampling.SEGMENT
+    later = segment + geometry.REJECTION_SAMPLE["block_v"] // sampling.SEGMENT
     vocab = (later + 2) * sampling.SEGMENT
-    exponential = sampling.exponential_from_bits(
-        sampling.random_bits(torch.tensor(seed), torch.tensor(0), sampling.RESIDUAL, torch.tensor(2 * segment)))
+    exponential = counter_hash.exponential_from_bits(
+        counter_hash.random_bits(torch.tensor(seed), torch.tensor(0), counter_hash.RESIDUAL, torch.tensor(2 * segment)))
     assert exponential == float("inf")
     p = torch.zeros(1, 2, vocab)
     p[0, 0, segment * sampling.SEGMENT + 1] = 0.9
@@ -261,13 +228,12 @@ def test_an_infinite_exponential_never_wins(kernel, num_chunks, block_v):
     p[0, 1] = 1.0 / vocab
     draft = torch.tensor([[0]])  # p(0) = 0: rejected at position 0, so position 0's residual is raced
     args = (p, draft, None, torch.tensor([seed]), torch.tensor([0]), None)
-    out = kernel(args, num_chunks=num_chunks, block_v=block_v)
+    out = run(backend, args, num_chunks=num_chunks, block_v=block_v)
     assert out.tolist() == [[later * sampling.SEGMENT + 2, -1]]
     assert torch.equal(out, specdec_ops.rejection_sample_reference(*args))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_known_cases(kernel):
+def test_known_cases(backend):
     vocab = 5
     # p == one-hot(draft) -> always accepted; bonus given.
     p = torch.zeros(2, 3, vocab)
@@ -276,31 +242,30 @@ def test_known_cases(kernel):
     p[:, 2, 4] = 1
     draft = torch.tensor([[1, 3], [1, 2]])
     bonus = torch.tensor([7, 8])
-    out = kernel((p, draft, None, torch.tensor([1, 2]), torch.tensor([0, 0]), bonus))
+    out = run(backend, (p, draft, None, torch.tensor([1, 2]), torch.tensor([0, 0]), bonus))
     # Row 1: token 2 has p = 0 -> rejected, the residual is p itself (one-hot at 3).
     assert out.tolist() == [[1, 3, 7], [1, 3, -1]]
     # No bonus ids: the bonus is drawn from p_k (one-hot at 4).
-    out = kernel((p, draft, None, torch.tensor([1, 2]), torch.tensor([0, 0]), None))
+    out = run(backend, (p, draft, None, torch.tensor([1, 2]), torch.tensor([0, 0]), None))
     assert out.tolist() == [[1, 3, 4], [1, 3, -1]]
     # q == p everywhere but the draft token has q(x) = 0: rejected, residual is all zero -> falls back to p.
     q = p[:, :2].clone()
     draft = torch.tensor([[0, 3], [2, 3]])
-    out = kernel((p, draft, q, torch.tensor([1, 2]), torch.tensor([0, 0]), None))
+    out = run(backend, (p, draft, q, torch.tensor([1, 2]), torch.tensor([0, 0]), None))
     assert out.tolist() == [[1, -1, -1], [1, -1, -1]]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_batch_invariance(kernel):
+def test_batch_invariance(backend):
     """A request's tokens do not depend on the other rows, their number or their position in the batch."""
     small = make_case(31, 3, 3, 300, has_q=True)
     others = make_case(32, 6, 3, 300, has_q=True)
-    alone = kernel(small)
+    alone = run(backend, small)
     merged = tuple(None if a is None else torch.cat([o[:3], a, o[3:]]) for a, o in zip(small, others))
-    together = kernel(merged)
+    together = run(backend, merged)
     assert torch.equal(together[3:6], alone)
     for row in range(3):
         one = tuple(None if a is None else a[row:row + 1] for a in small)
-        assert torch.equal(kernel(one), alone[row:row + 1])
+        assert torch.equal(run(backend, one), alone[row:row + 1])
 
 
 def test_fresh_randomness_with_new_offsets_or_seeds():
@@ -320,13 +285,14 @@ def test_fresh_randomness_with_new_offsets_or_seeds():
 # --- random streams ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_streams_are_independent():
     """Same seed and position: the DRAFT, ACCEPT, RESIDUAL, BONUS streams give unrelated uniforms."""
     seeds = torch.arange(20000, dtype=torch.int64) * 7919 - 10**12
     positions = torch.arange(20000, dtype=torch.int64) % 97
     uniforms = {
-        purpose: sampling.uniform_from_bits(sampling.random_bits(seeds, positions, purpose, 0)).double()
-        for purpose in (sampling.DRAFT, sampling.ACCEPT, sampling.RESIDUAL, sampling.BONUS)
+        purpose: counter_hash.uniform_from_bits(counter_hash.random_bits(seeds, positions, purpose, 0)).double()
+        for purpose in (counter_hash.DRAFT, counter_hash.ACCEPT, counter_hash.RESIDUAL, counter_hash.BONUS)
     }
     names = list(uniforms)
     for a in range(len(names)):
@@ -337,7 +303,7 @@ def test_streams_are_independent():
             assert (u != v).float().mean() > 0.999
             assert abs(torch.corrcoef(torch.stack([u, v]))[0, 1]) < 0.03  # ~4 standard errors
     # Consecutive indices of one row (the race) are uncorrelated as well.
-    row = sampling.uniform_from_bits(sampling.random_bits(5, 9, sampling.RESIDUAL, torch.arange(20001))).double()
+    row = counter_hash.uniform_from_bits(counter_hash.random_bits(5, 9, counter_hash.RESIDUAL, torch.arange(20001))).double()
     assert abs(torch.corrcoef(torch.stack([row[:-1], row[1:]]))[0, 1]) < 0.03
 
 
@@ -364,63 +330,34 @@ def test_torch_hash_matches_plain_python_murmur3():
     for seed, pos, purpose, index in [(0, 0, 1, 0), (-1, 2**40 + 3, 2, 7), (2**62 + 5, -9, 4, 2**31 + 1)]:
         words = [seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, pos & 0xFFFFFFFF, (pos >> 32) & 0xFFFFFFFF,
                  purpose, index]
-        assert int(sampling.random_bits(seed, pos, purpose, index)) == murmur3(words)
+        assert int(counter_hash.random_bits(seed, pos, purpose, index)) == murmur3(words)
 
 
+@pytest.mark.slow
 def test_exponentials():
     bits = torch.tensor([0, 1, 2**20, 2**25 - 1, 2**31, 2**32 - 1], dtype=torch.int64)
-    e = sampling.exponential_from_bits(bits).double()
+    e = counter_hash.exponential_from_bits(bits).double()
     w = (bits.double() + 0.5) / 2**32
     assert torch.allclose(e[:-1], -torch.log1p(-w[:-1]), rtol=1e-6)
     assert e[-1] == float("inf")  # w rounds to 1: never wins a race
-    many = sampling.exponential_from_bits(sampling.random_bits(3, 4, sampling.BONUS, torch.arange(200000))).double()
+    many = counter_hash.exponential_from_bits(counter_hash.random_bits(3, 4, counter_hash.BONUS, torch.arange(200000))).double()
     assert abs(many.mean() - 1) < 0.01 and abs(many.var() - 1) < 0.03
 
 
 # --- sample_draft --------------------------------------------------------------------------------
 
 
-def make_logits(seed, rows, vocab, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
-    temperature = torch.tensor([0.0, 0.7, 1.0, 2.5, 0.0, 1.3, 0.0, 0.01] * rows)[:rows]
-    seeds = torch.randint(-2**62, 2**62, (rows,), generator=gen)
-    positions = torch.randint(0, 2**20, (rows,), generator=gen)
-    return logits, temperature, seeds, positions
-
-
-def draft_cpp(args, probs=None):
-    return specdec_ops.sample_draft(*args, probs=probs)
-
-
-def draft_triton(args, probs=None):
-    if HAS_CUDA:
-        cuda_probs = None if probs is None else probs.cuda()
-        out = specdec_ops.sample_draft(*[a.cuda() for a in args], probs=cuda_probs).cpu()
-        if probs is not None:
-            probs.copy_(cuda_probs.cpu())
-        return out
-    sampling._check_draft_inputs(*args, probs)
-    return sampling._launch_draft(*args, probs)
-
-
-DRAFT_KERNELS = [pytest.param(draft_cpp, id="cpp")]
-if HAS_TRITON:
-    DRAFT_KERNELS.append(pytest.param(draft_triton, id="triton"))
-
-
-@pytest.mark.parametrize("kernel", DRAFT_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("rows,vocab", [(8, 33), (5, 1500), (3, 1)])
-def test_sample_draft_matches_reference(kernel, dtype, rows, vocab):
-    if dtype == torch.bfloat16 and kernel in (run_triton, draft_triton) and not HAS_CUDA:
+def test_sample_draft_matches_reference(backend, dtype, rows, vocab):
+    if dtype == torch.bfloat16 and backend.name == "triton" and not HAS_CUDA:
         pytest.skip("no bfloat16 in the Triton interpreter")
     args = make_logits(rows * 100 + vocab, rows, vocab, dtype)
     expected_probs = torch.full((rows, vocab), -1.0)
     expected = specdec_ops.sample_draft_reference(*args, probs=expected_probs)
-    assert torch.equal(kernel(args), expected)
+    assert torch.equal(backend.sample_draft(*args), expected)
     probs = torch.full((rows, vocab), -1.0)
-    assert torch.equal(kernel(args, probs), expected)
+    assert torch.equal(backend.sample_draft(*args, probs=probs), expected)
     torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-6)
     greedy = args[1] <= 0
     assert torch.equal(expected[greedy], args[0].float()[greedy].argmax(-1))
@@ -451,7 +388,7 @@ def test_triton_sample_draft_online_softmax_across_blocks():
     device = "cuda" if HAS_CUDA else "cpu"
     probs = torch.empty(n, vocab, device=device)
     args = [t.to(device) for t in (logits, temperature, seeds, positions)]
-    tokens = sampling._launch_draft(*args, probs, block_v=16).cpu()
+    tokens = sampling_kernels.launch_draft(*args, probs, block_v=16).cpu()
     expected_probs = torch.empty(n, vocab)
     expected = specdec_ops.sample_draft_reference(logits, temperature, seeds, positions, probs=expected_probs)
     assert torch.equal(tokens[:-1], expected[:-1])  # the NaN row's token is unspecified (but in range)
@@ -460,33 +397,30 @@ def test_triton_sample_draft_online_softmax_across_blocks():
     assert probs[-1].isnan().all()
 
 
-@pytest.mark.parametrize("kernel", DRAFT_KERNELS)
-def test_sample_draft_greedy_ties_take_lowest_index(kernel):
+def test_sample_draft_greedy_ties_take_lowest_index(backend):
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("-inf")] * 4, [2.0, 2.0, 2.0, 2.0]])
     args = (logits, torch.zeros(3), torch.arange(3), torch.arange(3))
-    assert kernel(args).tolist() == [1, 0, 0]
+    assert backend.sample_draft(*args).tolist() == [1, 0, 0]
     # A random row never picks a -inf logit.
     masked = torch.tensor([[float("-inf"), 0.0, float("-inf"), 0.0]]).expand(24, -1)
-    out = kernel((masked, torch.ones(24), torch.arange(24), torch.zeros(24, dtype=torch.int64)))
+    out = backend.sample_draft(masked, torch.ones(24), torch.arange(24), torch.zeros(24, dtype=torch.int64))
     assert set(out.tolist()) == {1, 3}
 
 
-@pytest.mark.parametrize("kernel", DRAFT_KERNELS)
-def test_sample_draft_nan_or_negative_temperature_is_greedy(kernel):
+def test_sample_draft_nan_or_negative_temperature_is_greedy(backend):
     logits, _, seeds, positions = make_logits(7, 4, 50)
     temperature = torch.tensor([float("nan"), -1.0, float("nan"), -0.5])
-    assert torch.equal(kernel((logits, temperature, seeds, positions)), logits.argmax(-1))
+    assert torch.equal(backend.sample_draft(logits, temperature, seeds, positions), logits.argmax(-1))
 
 
-@pytest.mark.parametrize("kernel", DRAFT_KERNELS)
-def test_sample_draft_writes_a_strided_column(kernel):
+def test_sample_draft_writes_a_strided_column(backend):
     """probs may be buf[:, step, :] of an [n, k, V] buffer; other steps are left alone."""
     rows, k, vocab = 6, 3, 40
     args = make_logits(2, rows, vocab)
     buf = torch.full((rows, k, vocab), 7.0)
     expected_probs = torch.empty(rows, vocab)
     expected = specdec_ops.sample_draft_reference(*args, probs=expected_probs)
-    assert torch.equal(kernel(args, buf[:, 1, :]), expected)
+    assert torch.equal(backend.sample_draft(*args, probs=buf[:, 1, :]), expected)
     torch.testing.assert_close(buf[:, 1], expected_probs)
     assert (buf[:, 0] == 7).all() and (buf[:, 2] == 7).all()
 
@@ -532,36 +466,18 @@ REJECTION_BAD = [
 ]
 
 
-def call_rejection(args, counters=None):
-    if counters is None:
-        return torch.ops.specdec.rejection_sample(*args.values())
-    return torch.ops.specdec.rejection_sample.counted(*args.values(), counters)
-
-
 @pytest.mark.parametrize("name,mutate,message", REJECTION_BAD)
 def test_rejection_bad_inputs_raise_clear_errors(name, mutate, message):
     args = good_rejection_args()
     args[name] = mutate(args)
-    pattern = f"rejection_sample: argument '{name}'.*{message}"
-    with pytest.raises(ValueError, match=pattern):  # eager, C++ kernel
-        call_rejection(args)
-    with pytest.raises(ValueError, match=pattern):  # fake kernel (trace time)
-        with torch._subclasses.FakeTensorMode() as mode:
-            call_rejection({n: None if t is None else mode.from_tensor(t) for n, t in args.items()})
-    if HAS_TRITON:
-        with pytest.raises(ValueError, match=pattern):  # the CUDA launcher validates too
-            sampling._rejection_sample_triton(*args.values())
+    check_bad_input("rejection_sample", list(args.values()), match=f"rejection_sample: argument '{name}'.*{message}")
 
 
 @pytest.mark.parametrize("counters,message", [(torch.zeros(3, dtype=torch.int32), "dtype"),
                                               (torch.zeros(4, dtype=torch.int64), "shape|size 4")])
 def test_rejection_bad_counters(counters, message):
-    with pytest.raises(ValueError, match=f"argument 'counters'.*({message})"):
-        call_rejection(good_rejection_args(), counters)
-    with pytest.raises(ValueError, match="argument 'counters'"):
-        with torch._subclasses.FakeTensorMode() as mode:
-            args = {n: None if t is None else mode.from_tensor(t) for n, t in good_rejection_args().items()}
-            call_rejection(args, mode.from_tensor(counters))
+    check_bad_input("rejection_sample", list(good_rejection_args().values()), {"counters": counters},
+                    match=f"argument 'counters'.*({message})")
 
 
 DRAFT_BAD = [
@@ -583,15 +499,7 @@ def test_sample_draft_bad_inputs_raise_clear_errors(name, mutate, message):
     logits, temperature, seeds, positions = make_logits(0, 4, 12)
     args = dict(logits=logits, temperature=temperature, seeds=seeds, positions=positions, probs=torch.empty(4, 12))
     args[name] = mutate(args)
-    pattern = f"sample_draft.with_probs: argument '{name}'.*{message}"
-    with pytest.raises(ValueError, match=pattern):
-        torch.ops.specdec.sample_draft.with_probs(*args.values())
-    with pytest.raises(ValueError, match=pattern):
-        with torch._subclasses.FakeTensorMode() as mode:
-            torch.ops.specdec.sample_draft.with_probs(*(mode.from_tensor(t) for t in args.values()))
-    if HAS_TRITON:
-        with pytest.raises(ValueError, match=pattern):
-            sampling._sample_draft_with_probs_triton(*args.values())
+    check_bad_input("sample_draft", list(args.values()), match=f"sample_draft.with_probs: argument '{name}'.*{message}")
 
 
 def test_compiled_bad_input_raises_value_error():
@@ -689,16 +597,9 @@ def test_cuda_graph_capture_replay_with_new_seeds_and_offsets():
     temperature = torch.ones(batch, device="cuda")
     probs = torch.empty(batch, vocab, device="cuda")
     counters = torch.zeros(3, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles the kernels) off the capture
-        specdec_ops.rejection_sample(p, draft, q, seeds, offsets, counters=counters)
-        specdec_ops.sample_draft(logits, temperature, seeds, offsets, probs=probs)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = specdec_ops.rejection_sample(p, draft, q, seeds, offsets, counters=counters)
-        tokens = specdec_ops.sample_draft(logits, temperature, seeds, offsets, probs=probs)
+    graph, (out, tokens) = capture_graph(lambda: (
+        specdec_ops.rejection_sample(p, draft, q, seeds, offsets, counters=counters),
+        specdec_ops.sample_draft(logits, temperature, seeds, offsets, probs=probs)))
     for step in range(3):
         seeds.copy_(torch.arange(batch, device="cuda") * 31 + step)
         offsets.add_(k + 1)

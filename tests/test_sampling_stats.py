@@ -15,6 +15,12 @@ from scipy import stats
 
 import specdec_ops
 
+from samples import normalized
+
+# Statistical: many trials each. Marked so that `-m "not slow"` skips them locally; CI runs them (.ci/run runs the
+# whole suite, no marker deselected).
+pytestmark = pytest.mark.slow
+
 P_THRESHOLD = 1e-4
 TRIALS = 100_000
 
@@ -36,10 +42,6 @@ def chi_square_pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     if obs.numel() < 2:
         return 1.0
     return float(stats.chisquare(obs.numpy(), exp.numpy()).pvalue)
-
-
-def normalized(t):
-    return t / t.sum(-1, keepdim=True)
 
 
 def run_trials(p, q, *, draft_one_hot=False, draft_dist=None, trials=TRIALS, seed=0):

@@ -5,55 +5,17 @@ import pytest
 import torch
 
 import specdec_ops
-from specdec_ops import _launch, verify
 from specdec_ops._triton import HAS_TRITON
 
+if HAS_TRITON:
+    from specdec_ops.kernels import scratch
+    from specdec_ops.kernels import verify as verify_kernels
+
 from conftest import HAS_CUDA, sync_forbidden
+from harness import Backend, capture_graph, check_bad_input
+from samples import make_greedy, make_typical
 
 # --- inputs ------------------------------------------------------------------------------
-
-
-def make_greedy(seed, batch, k, vocab, dtype=torch.float32, draft_dtype=torch.int64, match=0.75):
-    """Random logits; each draft id equals the row argmax with probability `match`, else is uniform."""
-    gen = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(batch, k + 1, vocab, generator=gen) * 3).to(dtype)
-    argmax = logits.argmax(-1)[:, :k]
-    guess = torch.randint(0, vocab, (batch, k), generator=gen)
-    draft = torch.where(torch.rand(batch, k, generator=gen) < match, argmax, guess)
-    return logits, draft.to(draft_dtype)
-
-
-def typical_margin(probs, draft, threshold=0.09, alpha=0.3):
-    """Relative distance of each in-vocab draft probability from its acceptance threshold (float64)."""
-    k = draft.shape[1]
-    p = probs[:, :k].double()
-    entropy = -(p * torch.log(p + verify.ENTROPY_EPS)).sum(-1)
-    limit = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
-    valid = (draft >= 0) & (draft < probs.shape[-1])
-    draft_p = p.gather(-1, draft.clamp(0, probs.shape[-1] - 1).long()[..., None]).squeeze(-1)
-    margin = (draft_p - limit).abs() / limit.abs().clamp_min(1e-30)
-    return torch.where(valid, margin, torch.full_like(margin, math.inf))
-
-
-def make_typical(seed, batch, k, vocab, dtype=torch.float32, draft_dtype=torch.int64, threshold=0.09, alpha=0.3):
-    """Softmax rows from sharp to flat; drafts mix the argmax, samples of p and uniform ids.
-
-    Draft ids within 1e-3 (relative) of the acceptance threshold are replaced by the
-    argmax, and the result is asserted to be off the boundary, so float32 and
-    float64 entropies must agree.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    scale = torch.rand(batch, k + 1, 1, generator=gen) * 6
-    probs = torch.softmax(torch.randn(batch, k + 1, vocab, generator=gen) * scale, dim=-1).to(dtype)
-    flat = probs[:, :k].float().reshape(-1, vocab)
-    sampled = torch.multinomial(flat, 1, generator=gen).reshape(batch, k) if batch else flat.new_zeros(0, k).long()
-    choice = torch.randint(0, 3, (batch, k), generator=gen)
-    draft = torch.where(choice == 0, probs.argmax(-1)[:, :k],
-                        torch.where(choice == 1, sampled, torch.randint(0, vocab, (batch, k), generator=gen)))
-    near = typical_margin(probs, draft, threshold, alpha) < 1e-3
-    draft = torch.where(near, probs.argmax(-1)[:, :k], draft).to(draft_dtype)
-    assert bool((typical_margin(probs, draft, threshold, alpha) > 1e-3).all()), "inputs on the boundary"
-    return probs, draft
 
 
 # --- kernels -----------------------------------------------------------------------------
@@ -71,35 +33,24 @@ def reference(op, target, draft, counters=None, threshold=0.09, alpha=0.3):
     return specdec_ops.typical_acceptance_reference(target, draft, threshold, alpha, counters)
 
 
-def run_cpp(op, target, draft, counters=None, threshold=0.09, alpha=0.3):
-    return call_op(op, target, draft, counters, threshold, alpha)
-
-
-def run_triton(op, target, draft, counters=None, threshold=0.09, alpha=0.3, **plan):
-    """The Triton kernel: on CUDA through the dispatcher, else in the interpreter on CPU tensors.
-
-    `plan` (block_v, num_chunks) forces how rows are split across programs.
-    """
+def run(backend, op, target, draft, counters=None, threshold=0.09, alpha=0.3, **plan):
+    """The op on the backend; on the Triton backend `plan` (block_v, num_chunks) forces how rows are split across
+    programs, through the launcher itself."""
+    if not plan:
+        if op == "greedy":
+            return backend.greedy_verify(target, draft, counters)
+        return backend.typical_acceptance(target, draft, threshold, alpha, counters)
+    assert backend.name == "triton", "only the Triton kernel splits rows"
     device = "cuda" if HAS_CUDA else "cpu"
     t, d = target.to(device), draft.to(device)
     c = None if counters is None else counters.to(device)
-    if plan:
-        out = verify._launch(t, d, c, op == "typical", threshold, alpha, **plan)
-    elif HAS_CUDA:
-        out = call_op(op, t, d, c, threshold, alpha)
-    elif op == "greedy":
-        out = (verify._greedy_verify_triton(t, d) if c is None else verify._greedy_verify_counted_triton(t, d, c))
-    else:
-        out = (verify._typical_acceptance_triton(t, d, threshold, alpha) if c is None
-               else verify._typical_acceptance_counted_triton(t, d, threshold, alpha, c))
+    out = verify_kernels.launch(t, d, c, op == "typical", threshold, alpha, **plan)
     if counters is not None:
         counters.copy_(c.cpu())
     return out.cpu()
 
 
-KERNELS = [pytest.param(run_cpp, id="cpp")]
-if HAS_TRITON:
-    KERNELS.append(pytest.param(run_triton, id="triton"))
+CPP, TRITON = Backend("cpp"), Backend("triton")
 OPS = ["greedy", "typical"]
 # The Triton interpreter has no bfloat16.
 TRITON_DTYPES = [torch.float16, torch.float32] + ([torch.bfloat16] if HAS_CUDA else [])
@@ -109,16 +60,16 @@ def make(op, seed, batch, k, vocab, **kw):
     return (make_greedy if op == "greedy" else make_typical)(seed, batch, k, vocab, **kw)
 
 
-def check(kernel, op, target, draft, threshold=0.09, alpha=0.3, **plan):
+def check(backend, op, target, draft, threshold=0.09, alpha=0.3, **plan):
     """Kernel output and counters (starting from nonzero values) equal the reference's."""
     counters = torch.tensor([5, 7, 11], dtype=torch.int64)
     expected_counters = counters.clone()
     expected = reference(op, target, draft, expected_counters, threshold, alpha)
-    actual = kernel(op, target, draft, counters, threshold, alpha, **plan)
+    actual = run(backend, op, target, draft, counters, threshold, alpha, **plan)
     assert actual.dtype == draft.dtype
     assert torch.equal(actual, expected), f"\n{actual}\n!=\n{expected}"
     assert torch.equal(counters, expected_counters), f"{counters} != {expected_counters}"
-    assert torch.equal(kernel(op, target, draft, None, threshold, alpha, **plan), expected)  # uncounted overload
+    assert torch.equal(run(backend, op, target, draft, None, threshold, alpha, **plan), expected)  # uncounted overload
     return actual
 
 
@@ -176,9 +127,9 @@ def test_known_layout_and_counts_every_position():
     draft = torch.tensor([[1, 2, 3, 4], [0, 4, 2, 2], [-1, 3, 3, 3]], dtype=torch.int32)
     counters = torch.zeros(3, dtype=torch.int64)
     expected = [[1, 2, 3, 4, 5], [0, 5, -1, -1, -1], [3, -1, -1, -1, -1]]
-    for kernel in [run_cpp] + ([run_triton] if HAS_TRITON else []):
+    for backend in [CPP] + ([TRITON] if HAS_TRITON else []):
         counters.zero_()
-        out = kernel("greedy", logits, draft, counters)
+        out = run(backend, "greedy", logits, draft, counters)
         assert out.tolist() == expected
         assert counters.tolist() == [4 + 3 + 3, 5 + 2 + 1, 12]
     assert specdec_ops.greedy_verify_reference(logits, draft).tolist() == expected
@@ -187,20 +138,19 @@ def test_known_layout_and_counts_every_position():
 # --- kernels against the reference ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("batch,k,vocab", [(1, 1, 2), (3, 4, 37), (2, 8, 19), (5, 2, 1), (4, 3, 2), (0, 4, 9)])
 @pytest.mark.parametrize("draft_dtype", [torch.int32, torch.int64])
-def test_matches_reference(kernel, op, batch, k, vocab, draft_dtype):
+def test_matches_reference(backend, op, batch, k, vocab, draft_dtype):
     target, draft = make(op, batch * 100 + k * 10 + vocab, batch, k, vocab, draft_dtype=draft_dtype)
-    check(kernel, op, target, draft)
+    check(backend, op, target, draft)
 
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_cpp_every_float_dtype(op, dtype):
     target, draft = make(op, 3, 7, 4, 301, dtype=dtype)
-    check(run_cpp, op, target, draft)
+    check(CPP, op, target, draft)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -208,7 +158,7 @@ def test_cpp_every_float_dtype(op, dtype):
 @pytest.mark.parametrize("dtype", TRITON_DTYPES)
 def test_triton_float_dtypes(op, dtype):
     target, draft = make(op, 4, 3, 4, 53, dtype=dtype)
-    check(run_triton, op, target, draft)
+    check(TRITON, op, target, draft)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -217,17 +167,16 @@ def test_triton_float_dtypes(op, dtype):
 def test_triton_rows_split_into_chunks(op, num_chunks):
     # Several programs per row; their partials are combined by the request's last program.
     target, draft = make(op, 10 + num_chunks, 3, 4, 70)
-    check(run_triton, op, target, draft, block_v=16, num_chunks=num_chunks)
+    check(TRITON, op, target, draft, block_v=16, num_chunks=num_chunks)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("op", OPS)
-def test_large_vocabulary(kernel, op):
+def test_large_vocabulary(backend, op):
     # 5000 entries: several BLOCK_V steps per program (and many rows for at::parallel_for on CPU).
-    batch = 9 if kernel is run_cpp else 2
+    batch = 9 if backend.name == "cpp" else 2
     target, draft = make(op, 77, batch, 4, 5000)
-    plan = {} if kernel is run_cpp else {"block_v": 1024, "num_chunks": 2}
-    check(kernel, op, target, draft, **plan)
+    plan = {} if backend.name == "cpp" else {"block_v": 1024, "num_chunks": 2}
+    check(backend, op, target, draft, **plan)
 
 
 # --- edge inputs ---------------------------------------------------------------------------
@@ -237,17 +186,16 @@ def test_large_vocabulary(kernel, op):
 TRITON_SPLITS = [dict(block_v=16, num_chunks=1), dict(block_v=16, num_chunks=3)]
 
 
-def check_every_split(kernel, op, target, draft, *args):
-    out = check(kernel, op, target, draft, *args)
-    if kernel is run_triton:
+def check_every_split(backend, op, target, draft, *args):
+    out = check(backend, op, target, draft, *args)
+    if backend.name == "triton":
         for plan in TRITON_SPLITS:
-            check(kernel, op, target, draft, *args, **plan)
+            check(backend, op, target, draft, *args, **plan)
     return out
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("op", OPS)
-def test_ties_pick_the_lowest_index(kernel, op):
+def test_ties_pick_the_lowest_index(backend, op):
     vocab = 40
     target = torch.rand(2, 5, vocab) * 0.01
     ties = [[3, 19, 35], [0, 16], [22, 38], [5, 21, 37], [12, 13, 28]]
@@ -256,29 +204,27 @@ def test_ties_pick_the_lowest_index(kernel, op):
     target = target / target.sum(-1, keepdim=True) if op == "typical" else target
     # Request 0 drafts the lowest tied index (accepted); request 1 a later tied one (rejected).
     draft = torch.tensor([[t[0] for t in ties[:4]], [t[1] for t in ties[:4]]])
-    out = check_every_split(kernel, op, target, draft)
+    out = check_every_split(backend, op, target, draft)
     if op == "greedy":
         assert out.tolist() == [[3, 0, 22, 5, 12], [3, -1, -1, -1, -1]]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("vocab", [1, 2, 31, 64])
-def test_one_hot_and_uniform_rows(kernel, op, vocab):
+def test_one_hot_and_uniform_rows(backend, op, vocab):
     batch, k = 3, 4
     target = torch.full((batch, k + 1, vocab), 1.0 / vocab)  # uniform: argmax 0, typical accepts for V < 2e5
     hot = torch.tensor([0, vocab - 1, vocab // 2, 1 % vocab, vocab - 1])
     target[1] = 0.0
     target[1, torch.arange(k + 1), hot] = 1.0  # one-hot rows
     draft = torch.tensor([[0, vocab - 1, 0, vocab - 1], hot[:k].tolist(), [vocab - 1] * k])
-    out = check_every_split(kernel, op, target, draft)
+    out = check_every_split(backend, op, target, draft)
     assert out[1].tolist() == hot.tolist()  # the one-hot request accepts everything and gets the bonus
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("draft_dtype", [torch.int32, torch.int64])
-def test_out_of_vocabulary_draft_ids_are_rejected(kernel, op, draft_dtype):
+def test_out_of_vocabulary_draft_ids_are_rejected(backend, op, draft_dtype):
     vocab = 10
     info = torch.iinfo(draft_dtype)
     bad = [-1, vocab, vocab + 1, info.min, info.max, -vocab]
@@ -286,12 +232,11 @@ def test_out_of_vocabulary_draft_ids_are_rejected(kernel, op, draft_dtype):
     target[:, :, 0] = 1.0  # argmax 0 everywhere, p(0) dominant
     target = target / target.sum(-1, keepdim=True)
     draft = torch.tensor([[0, x] for x in bad], dtype=draft_dtype)  # position 0 accepted, 1 out of range
-    out = check(kernel, op, target, draft)
+    out = check(backend, op, target, draft)
     assert out.tolist() == [[0, 0, -1]] * len(bad)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_nan_and_infinite_logits_follow_torch_argmax(kernel):
+def test_nan_and_infinite_logits_follow_torch_argmax(backend):
     logits = torch.randn(4, 3, 12)
     logits[0, 0, 5] = math.nan
     logits[0, 0, 9] = math.nan
@@ -301,19 +246,18 @@ def test_nan_and_infinite_logits_follow_torch_argmax(kernel):
     logits[1, 1, 8] = math.nan
     logits[2, :, :] = math.nan
     draft = torch.tensor([[5, 0], [2, 8], [0, 0], [1, 1]])
-    check_every_split(kernel, "greedy", logits, draft)
+    check_every_split(backend, "greedy", logits, draft)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("threshold,alpha", [(0.0, 0.0), (1.0, 1.0), (0.5, 0.0), (-1.0, -1.0)])
-def test_typical_threshold_and_alpha(kernel, threshold, alpha):
+def test_typical_threshold_and_alpha(backend, threshold, alpha):
     # One-hot and two-point rows keep the draft probabilities far from every threshold here.
     target = torch.zeros(2, 3, 8)
     target[0, :, 3] = 1.0
     target[1, :, 1] = 0.75
     target[1, :, 6] = 0.25
     draft = torch.tensor([[3, 4], [6, -1]])
-    out = check(kernel, "typical", target, draft, threshold, alpha)
+    out = check(backend, "typical", target, draft, threshold, alpha)
     # A negative limit accepts every in-vocabulary id, never an out-of-vocabulary one.
     if threshold < 0:
         assert out.tolist() == [[3, 4, 3], [6, 1, -1]]
@@ -327,27 +271,23 @@ def test_triton_tickets_are_left_zeroed():
     for seed, (batch, k, vocab, chunks) in enumerate([(3, 4, 37, 2), (6, 1, 5, 1)]):
         for op in OPS:
             target, draft = make(op, seed, batch, k, vocab)
-            check(run_triton, op, target, draft, block_v=16, num_chunks=chunks)
-            assert _launch._scratch and all(int(t.count_nonzero()) == 0 for t in _launch._scratch.values())
+            check(TRITON, op, target, draft, block_v=16, num_chunks=chunks)
+            assert scratch._scratch and all(int(t.count_nonzero()) == 0 for t in scratch._scratch.values())
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_ticket_buffer_grows_and_keeps_the_old_one(monkeypatch):
-    monkeypatch.setattr(_launch, "SCRATCH_CAPACITY", 2)
-    monkeypatch.setattr(_launch, "_scratch", {})
-    monkeypatch.setattr(_launch, "_outgrown_scratch", [])
+    monkeypatch.setattr(scratch, "SCRATCH_CAPACITY", 2)
+    monkeypatch.setattr(scratch, "_scratch", {})
+    monkeypatch.setattr(scratch, "_outgrown_scratch", [])
     for batch in (2, 3):
         target, draft = make_greedy(30 + batch, batch, 2, 9)
-        check(run_triton, "greedy", target, draft)
-    (outgrown,), (current,) = _launch._outgrown_scratch, _launch._scratch.values()
+        check(TRITON, "greedy", target, draft)
+    (outgrown,), (current,) = scratch._outgrown_scratch, scratch._scratch.values()
     assert outgrown.numel() == 2 and current.numel() == 3
 
 
 # --- errors ------------------------------------------------------------------------------
-
-
-def _typical_args(target, draft, counters):
-    return (target, draft, 0.09, 0.3, counters)
 
 
 BAD_INPUTS = [
@@ -379,22 +319,8 @@ def test_bad_inputs_raise_clear_errors(op, name, mutate, message):
     counted = name == "counters"
     pattern = f"{'greedy_verify' if op == 'greedy' else 'typical_acceptance'}: argument '{name}'.*{message}"
 
-    def call(t, d, c):
-        return call_op(op, t, d, c if counted else None)
-
-    with pytest.raises(ValueError, match=pattern):
-        call(t, d, c)  # C++ checks
-    with pytest.raises(ValueError, match=pattern):
-        call(*(x.to("meta") for x in (t, d, c)))  # the fake kernel, as tracing runs it
-    if HAS_TRITON and not HAS_CUDA:
-        launcher = {
-            ("greedy", False): lambda: verify._greedy_verify_triton(t, d),
-            ("greedy", True): lambda: verify._greedy_verify_counted_triton(t, d, c),
-            ("typical", False): lambda: verify._typical_acceptance_triton(t, d),
-            ("typical", True): lambda: verify._typical_acceptance_counted_triton(*_typical_args(t, d, c)),
-        }[op, counted]
-        with pytest.raises(ValueError, match=pattern):
-            launcher()
+    check_bad_input("greedy_verify" if op == "greedy" else "typical_acceptance", (t, d),
+                    {"counters": c} if counted else {}, match=pattern)
 
 
 def test_compile_reports_bad_shapes_at_trace_time():
@@ -479,7 +405,7 @@ def test_cuda_matches_reference(op, dtype, batch, vocab):
 
 @pytest.mark.cuda
 def test_cuda_ticket_buffer_grows():
-    batch = _launch.SCRATCH_CAPACITY + 3
+    batch = scratch.SCRATCH_CAPACITY + 3
     logits, draft = make_greedy(8, batch, 1, 3)
     out = specdec_ops.greedy_verify(logits.cuda(), draft.cuda())
     assert torch.equal(out.cpu(), specdec_ops.greedy_verify_reference(logits, draft))
@@ -504,16 +430,9 @@ def test_cuda_graph_capture_and_replay(batch, vocab):
     logits, greedy_draft = (x.cuda() for x in make_greedy(20, batch, k, vocab))
     probs, typical_draft = (x.cuda() for x in make_typical(20, batch, k, vocab))
     counters = torch.zeros(3, dtype=torch.int64, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm up (compiles the kernels) outside capture
-        specdec_ops.greedy_verify(logits, greedy_draft, counters)
-        specdec_ops.typical_acceptance(probs, typical_draft, counters=counters)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        greedy = specdec_ops.greedy_verify(logits, greedy_draft, counters)
-        typical = specdec_ops.typical_acceptance(probs, typical_draft, counters=counters)
+    graph, (greedy, typical) = capture_graph(lambda: (
+        specdec_ops.greedy_verify(logits, greedy_draft, counters),
+        specdec_ops.typical_acceptance(probs, typical_draft, counters=counters)))
     counters.zero_()
     expected_counters = torch.zeros(3, dtype=torch.int64)
     for seed in range(3):  # new values, same shapes; counters accumulate over replays

@@ -60,8 +60,8 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from ..models.interface import AttentionMetadata
-from ..sampling import rejection_sample, sample_draft
-from ..verify import greedy_verify, typical_acceptance
+from ..ops.sampling import rejection_sample, sample_draft
+from ..ops.verify import greedy_verify, typical_acceptance
 from .graphs import StepGraphs, check_graph_mode
 from .kv import BlockPool, BlockTable
 from .proposer import DraftProposer, ProposerConfig, resolve_device, slot_mapping

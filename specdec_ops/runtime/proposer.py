@@ -67,9 +67,9 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..draft_step import advance_draft_step
+from ..ops.draft_step import advance_draft_step
 from ..models.interface import AttentionMetadata, KVCacheSpec  # noqa: F401  (KVCacheSpec re-exported)
-from ..prefill import prepare_prefill
+from ..ops.prefill import prepare_prefill
 from .graphs import StepGraphs, check_graph_mode
 from .kv import NULL_BLOCK, BlockPool, BlockTable  # noqa: F401  (BlockPool re-exported)
 

@@ -29,17 +29,15 @@ decode step starts from the correction token's position and
 ``seq_lens - num_rejected + 1`` (clamped), and the sequence length is advanced
 before each forward, so a step attends to the KV slot the previous step wrote.
 
-The CUDA kernel is one Triton launch whose grid depends only on n: no host
-data, no sync, capturable in a CUDA graph.
+The CUDA kernel (kernels/draft_step.py) is one Triton launch whose grid
+depends only on n: no host data, no sync, capturable in a CUDA graph.
 """
 from __future__ import annotations
 
 import torch
 
-from ._checks import INT_DTYPES, check_size, check_tensor
-from ._launch import CachedLaunch
-from ._library import register_cuda, register_fake
-from ._triton import HAS_TRITON, tl, triton
+from .._library import register_fake
+from .checks import INT_DTYPES, check_size, check_tensor
 
 _OP = "advance_draft_step"
 
@@ -50,7 +48,18 @@ def advance_draft_step(
     seq_lens: torch.Tensor,
     max_model_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (input_ids, next_positions, next_seq_lens); see the module docstring."""
+    """Moves the draft loop one decode step forward; see the module docstring.
+
+    Args:
+        sampled_token_ids: [n], int32 or int64, unit stride. The tokens the draft model just sampled.
+        positions: [n], int32 or int64, unit stride. Their positions.
+        seq_lens: [n], int32 or int64, unit stride. The requests' sequence lengths, the sampled tokens not included.
+        max_model_len: int >= 1. Positions are clamped to max_model_len - 1, lengths to max_model_len.
+
+    Returns:
+        (input_ids [n] int32, next_positions [n] dtype of positions, next_seq_lens [n] dtype of seq_lens), new
+        tensors on the inputs' device.
+    """
     return torch.ops.specdec.advance_draft_step.default(sampled_token_ids, positions, seq_lens, max_model_len)
 
 
@@ -60,7 +69,7 @@ def advance_draft_step_reference(
     seq_lens: torch.Tensor,
     max_model_len: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain-PyTorch statement of the contract."""
+    """Plain-PyTorch statement of the contract; arguments and result as `advance_draft_step`'s."""
     input_ids = sampled_token_ids.to(torch.int32)
     # Widen first so that an int32 value at its maximum does not wrap before the clamp.
     next_positions = torch.clamp(positions.long() + 1, max=max_model_len - 1).to(positions.dtype)
@@ -68,7 +77,7 @@ def advance_draft_step_reference(
     return input_ids, next_positions, next_seq_lens
 
 
-def _check_inputs(sampled_token_ids, positions, seq_lens, max_model_len) -> None:
+def check_inputs(sampled_token_ids, positions, seq_lens, max_model_len) -> None:
     device = sampled_token_ids.device
     check_tensor(_OP, "sampled_token_ids", sampled_token_ids, ndim=1, dtypes=INT_DTYPES)
     check_tensor(_OP, "positions", positions, ndim=1, dtypes=INT_DTYPES, device=device)
@@ -80,7 +89,7 @@ def _check_inputs(sampled_token_ids, positions, seq_lens, max_model_len) -> None
         raise ValueError(f"{_OP}: argument 'max_model_len' must be >= 1, got {max_model_len}")
 
 
-def _empty_outputs(sampled_token_ids, positions, seq_lens):
+def empty_outputs(sampled_token_ids, positions, seq_lens):
     return (
         torch.empty_like(sampled_token_ids, dtype=torch.int32),
         torch.empty_like(positions),
@@ -88,49 +97,7 @@ def _empty_outputs(sampled_token_ids, positions, seq_lens):
     )
 
 
-@register_fake("advance_draft_step")
+@register_fake(_OP)
 def _advance_draft_step_fake(sampled_token_ids, positions, seq_lens, max_model_len):
-    _check_inputs(sampled_token_ids, positions, seq_lens, max_model_len)
-    return _empty_outputs(sampled_token_ids, positions, seq_lens)
-
-
-_BLOCK = 1024
-
-if HAS_TRITON:
-
-    @triton.jit(
-        do_not_specialize=["n", "max_model_len"],
-        do_not_specialize_on_alignment=["sampled_ptr", "positions_ptr", "seq_lens_ptr", "out_ids_ptr",
-                                        "out_positions_ptr", "out_seq_lens_ptr"],
-    )
-    def _advance_draft_step_kernel(
-        sampled_ptr, positions_ptr, seq_lens_ptr,
-        out_ids_ptr, out_positions_ptr, out_seq_lens_ptr,
-        n, max_model_len,
-        BLOCK: tl.constexpr,
-    ):
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        live = i < n
-        sampled = tl.load(sampled_ptr + i, mask=live, other=0)
-        position = tl.load(positions_ptr + i, mask=live, other=0).to(tl.int64)
-        seq_len = tl.load(seq_lens_ptr + i, mask=live, other=0).to(tl.int64)
-        tl.store(out_ids_ptr + i, sampled.to(tl.int32), mask=live)
-        next_position = tl.minimum(position + 1, max_model_len - 1)
-        tl.store(out_positions_ptr + i, next_position.to(out_positions_ptr.dtype.element_ty), mask=live)
-        next_seq_len = tl.minimum(seq_len + 1, max_model_len)
-        tl.store(out_seq_lens_ptr + i, next_seq_len.to(out_seq_lens_ptr.dtype.element_ty), mask=live)
-
-    _launch_kernel = CachedLaunch(_advance_draft_step_kernel)
-
-
-def _advance_draft_step_triton(sampled_token_ids, positions, seq_lens, max_model_len):
-    _check_inputs(sampled_token_ids, positions, seq_lens, max_model_len)
-    outputs = _empty_outputs(sampled_token_ids, positions, seq_lens)
-    n = sampled_token_ids.shape[0]
-    if n > 0:
-        _launch_kernel((triton.cdiv(n, _BLOCK),),
-                       (sampled_token_ids, positions, seq_lens, *outputs, n, max_model_len), (_BLOCK,))
-    return outputs
-
-
-register_cuda("advance_draft_step", _advance_draft_step_triton)
+    check_inputs(sampled_token_ids, positions, seq_lens, max_model_len)
+    return empty_outputs(sampled_token_ids, positions, seq_lens)

@@ -46,7 +46,8 @@ out-of-range value (a slot past ``last_sampled``, ``num_rejected`` outside
 ``[0, query_len]``, a non-monotone ``query_start_loc``) is clamped so that no
 kernel reads or writes out of bounds, and the affected rows are unspecified.
 
-The CUDA kernel is one Triton launch, made from C++ (csrc/prepare_prefill.cpp),
+The CUDA kernel (kernels/prefill.py) is one Triton launch, made from C++
+(csrc/prepare_prefill.cpp),
 whose grid depends only on shapes: each program owns a tile of rows (up to
 max_num_reqs) and writes their first slots at once (all of a decode round),
 then the rest of any longer query one request at a time, and their per-request
@@ -59,11 +60,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import _C
-from ._checks import INT_DTYPES, check_size, check_tensor
-from ._launch import CachedLaunch, expose_to_cpp
-from ._library import register_fake
-from ._triton import HAS_TRITON, tl, triton
+from .. import _C
+from .._library import register_fake
+from .checks import INT_DTYPES, check_size, check_tensor
 
 _OP = "prepare_prefill"
 _INPUT_NAMES = (
@@ -98,7 +97,25 @@ def prepare_prefill(
     max_model_len: int,
     max_num_reqs: int | None = None,
 ) -> PrefillInputs:
-    """Builds the draft model's step-0 batch; see the module docstring for the layout."""
+    """Builds the draft model's step-0 batch; see the module docstring for the layout.
+
+    Args:
+        input_ids: [num_tokens], int32 or int64, unit stride. The verified round's tokens, request after request.
+        positions: [num_tokens], int32 or int64, unit stride. Their positions.
+        query_start_loc: [num_reqs + 1], int32 or int64, unit stride. Request i's tokens are
+            [query_start_loc[i], query_start_loc[i + 1]); starts at 0, non-decreasing.
+        seq_lens: [num_reqs], int32 or int64, unit stride. Each request's sequence length.
+        idx_mapping: [num_reqs], int32 or int64, unit stride. Batch row -> request slot (a row of last_sampled).
+        last_sampled: [num_slots], int32 or int64, unit stride. Each request slot's correction token.
+        num_rejected: [num_reqs], int32 or int64, unit stride. Rejected draft tokens at the end of each query.
+        max_model_len: int >= 1. Positions are clamped to max_model_len - 1, lengths to max_model_len.
+        max_num_reqs: int >= num_reqs, or None (num_reqs). The padded request count of the per-request outputs.
+
+    Returns:
+        PrefillInputs: expanded_input_ids [num_tokens + num_reqs] (dtype of input_ids), expanded_positions
+        [num_tokens + num_reqs] int64, last_token_indices [max_num_reqs] int64, expanded_query_start_loc
+        [max_num_reqs + 1] int32, expanded_seq_lens [max_num_reqs] int32; all new, on the inputs' device.
+    """
     if torch.compiler.is_compiling():
         return _prepare_prefill_ops(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
                                     num_rejected, max_model_len, max_num_reqs)
@@ -123,10 +140,17 @@ def prepare_prefill_into(
 ) -> None:
     """`prepare_prefill` writing into caller-owned persistent buffers (for static CUDA graphs).
 
-    ``max_num_reqs`` is ``len(last_token_indices)``; ``expanded_seq_lens`` must
-    have that length and ``expanded_query_start_loc`` one more. The token
-    buffers (int32 or int64 ids, int64 positions) may be longer than
-    ``num_tokens + num_reqs``: entries past that are left untouched.
+    Args:
+        input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected, max_model_len:
+            as `prepare_prefill`'s.
+        expanded_input_ids: [>= num_tokens + num_reqs], int32 or int64, unit stride; written in place.
+        expanded_positions: [>= num_tokens + num_reqs], int64, unit stride; written in place.
+        last_token_indices: [max_num_reqs], int64, unit stride, max_num_reqs >= num_reqs; written in place.
+        expanded_query_start_loc: [max_num_reqs + 1], int32, unit stride; written in place.
+        expanded_seq_lens: [max_num_reqs], int32, unit stride; written in place.
+
+    The token buffers may be longer than ``num_tokens + num_reqs``: entries past that are left untouched. Returns
+    None.
     """
     if torch.compiler.is_compiling():
         return _prepare_prefill_into_ops(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
@@ -162,7 +186,8 @@ def prepare_prefill_reference(
     max_model_len: int,
     max_num_reqs: int | None = None,
 ) -> PrefillInputs:
-    """Plain-PyTorch statement of the contract, one request at a time (valid inputs only)."""
+    """Plain-PyTorch statement of the contract, one request at a time (valid inputs only); arguments and result as
+    `prepare_prefill`'s."""
     num_tokens = input_ids.shape[0]
     num_reqs = query_start_loc.shape[0] - 1
     max_num_reqs = num_reqs if max_num_reqs is None else max_num_reqs
@@ -192,8 +217,8 @@ def prepare_prefill_reference(
 # --- validation, shared by the fake kernels and the CUDA launchers ---------------------
 
 
-def _check_inputs(op, input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
-                  num_rejected, max_model_len) -> int:
+def check_inputs(op, input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
+                 num_rejected, max_model_len) -> int:
     """Validates the inputs and returns num_reqs."""
     device = input_ids.device
     tensors = (input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected)
@@ -212,7 +237,7 @@ def _check_inputs(op, input_ids, positions, query_start_loc, seq_lens, idx_mappi
     return num_reqs
 
 
-def _check_buffers(input_ids, num_reqs, expanded_input_ids, expanded_positions, last_token_indices,
+def check_buffers(input_ids, num_reqs, expanded_input_ids, expanded_positions, last_token_indices,
                    expanded_query_start_loc, expanded_seq_lens) -> None:
     op = "prepare_prefill_into"
     device = input_ids.device
@@ -241,7 +266,7 @@ def _check_buffers(input_ids, num_reqs, expanded_input_ids, expanded_positions, 
                "max_num_reqs + 1")
 
 
-def _resolve_max_num_reqs(num_reqs: int, max_num_reqs: int | None) -> int:
+def resolve_max_num_reqs(num_reqs: int, max_num_reqs: int | None) -> int:
     if max_num_reqs is None:
         return num_reqs
     if max_num_reqs < num_reqs:
@@ -249,7 +274,7 @@ def _resolve_max_num_reqs(num_reqs: int, max_num_reqs: int | None) -> int:
     return max_num_reqs
 
 
-def _empty_outputs(input_ids, num_reqs, max_num_reqs):
+def empty_outputs(input_ids, num_reqs, max_num_reqs):
     total = input_ids.shape[0] + num_reqs
     device = input_ids.device
     return (
@@ -261,173 +286,17 @@ def _empty_outputs(input_ids, num_reqs, max_num_reqs):
     )
 
 
-@register_fake("prepare_prefill")
+@register_fake(_OP)
 def _prepare_prefill_fake(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
                           num_rejected, max_model_len, max_num_reqs=None):
-    num_reqs = _check_inputs(_OP, input_ids, positions, query_start_loc, seq_lens, idx_mapping,
-                             last_sampled, num_rejected, max_model_len)
-    return _empty_outputs(input_ids, num_reqs, _resolve_max_num_reqs(num_reqs, max_num_reqs))
+    num_reqs = check_inputs(_OP, input_ids, positions, query_start_loc, seq_lens, idx_mapping,
+                            last_sampled, num_rejected, max_model_len)
+    return empty_outputs(input_ids, num_reqs, resolve_max_num_reqs(num_reqs, max_num_reqs))
 
 
 @register_fake("prepare_prefill_into")
 def _prepare_prefill_into_fake(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
                                num_rejected, max_model_len, *buffers):
-    num_reqs = _check_inputs("prepare_prefill_into", input_ids, positions, query_start_loc, seq_lens,
-                             idx_mapping, last_sampled, num_rejected, max_model_len)
-    _check_buffers(input_ids, num_reqs, *buffers)
-
-
-# --- Triton kernel ----------------------------------------------------------------------
-
-# A program handles a tile of ROWS requests x SLOTS slots, which holds all of a
-# decode round (query_len + 1 = k + 2 slots per request); the rest of a longer
-# query (a prompt) follows, one request at a time, LONG_SLOTS slots per step.
-# The geometry is set in csrc/triton_launch.h, whose C++ launcher is the CUDA kernel of the op.
-_GEOMETRY = _C._launch_geometry()["prepare_prefill"]
-
-if HAS_TRITON:
-
-    @triton.jit
-    def _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, s, live, out_start, q_start, query_len,
-                     num_valid, correction, start_pos, total, max_model_len):
-        """Slots `s` of the requests whose values are given (broadcast against s)."""
-        j = out_start + s
-        # (a select, not `live & ...`: Triton 3.9's interpreter types a 0-d bool tensor & a
-        # bool tensor as int32, which tl.load rejects as a mask)
-        in_slot = tl.where(live, (s <= query_len) & (j >= 0) & (j < total), False)
-        accepted = in_slot & (s < num_valid)
-        token = tl.load(input_ids_ptr + q_start + s, mask=accepted, other=0).to(tl.int64)
-        token = tl.where(s == num_valid, correction, token)
-        position = tl.minimum(start_pos + s, max_model_len - 1)
-        tl.store(out_ids_ptr + j, token.to(out_ids_ptr.dtype.element_ty), mask=in_slot)
-        tl.store(out_positions_ptr + j, position, mask=in_slot)
-
-    @triton.jit
-    def _pick(values, pick):
-        """The entry of the 1-D `values` where `pick` is true (exactly one)."""
-        return tl.sum(tl.where(pick, values, 0), axis=0)
-
-    @triton.jit(
-        do_not_specialize=["num_tokens", "num_reqs", "num_slots", "max_num_reqs", "max_model_len"],
-        do_not_specialize_on_alignment=[
-            "input_ids_ptr", "positions_ptr", "query_start_loc_ptr", "seq_lens_ptr", "idx_mapping_ptr",
-            "last_sampled_ptr", "num_rejected_ptr", "out_ids_ptr", "out_positions_ptr", "out_last_ptr",
-            "out_qsl_ptr", "out_seq_lens_ptr",
-        ],
-    )
-    def _prepare_prefill_kernel(
-        input_ids_ptr, positions_ptr, query_start_loc_ptr, seq_lens_ptr, idx_mapping_ptr,
-        last_sampled_ptr, num_rejected_ptr,
-        out_ids_ptr, out_positions_ptr, out_last_ptr, out_qsl_ptr, out_seq_lens_ptr,
-        num_tokens, num_reqs, num_slots, max_num_reqs, max_model_len,
-        ROWS: tl.constexpr, SLOTS: tl.constexpr, LONG_SLOTS: tl.constexpr,
-    ):
-        # Program p owns rows [p * ROWS, (p + 1) * ROWS): their slots and per-request
-        # entries, or padding entries for rows >= num_reqs. The kernel's time is its
-        # chain of memory round trips, so every load of the common path is issued
-        # before its first store (a load after a store may not move above it: the
-        # pointers may alias), and no load waits on more than one earlier round trip.
-        tl.static_assert(ROWS < 32, "long_rows below is a bit mask of the tile's rows")
-        pid = tl.program_id(0)
-        total = num_tokens + num_reqs
-        rows = pid * ROWS + tl.arange(0, ROWS)
-        live = rows < num_reqs
-        raw_start = tl.load(query_start_loc_ptr + rows, mask=live, other=0).to(tl.int32)
-        raw_end = tl.load(query_start_loc_ptr + rows + 1, mask=live, other=0).to(tl.int32)
-        rejected = tl.load(num_rejected_ptr + rows, mask=live, other=0).to(tl.int32)
-        slot = tl.load(idx_mapping_ptr + rows, mask=live, other=0)
-        seq_len = tl.load(seq_lens_ptr + rows, mask=live, other=0).to(tl.int64)
-        tail_start = tl.load(query_start_loc_ptr + num_reqs).to(tl.int32) + num_reqs
-
-        q_start = tl.minimum(tl.maximum(raw_start, 0), num_tokens)
-        query_len = tl.minimum(tl.maximum(raw_end, q_start), num_tokens) - q_start
-        num_valid = query_len - tl.minimum(tl.maximum(rejected, 0), query_len)
-        slot = tl.minimum(tl.maximum(slot, 0), num_slots - 1)
-        correction = tl.load(last_sampled_ptr + slot, mask=live, other=0).to(tl.int64)
-        start_pos = tl.load(positions_ptr + q_start, mask=live & (query_len > 0), other=0).to(tl.int64)
-        out_start = raw_start + rows
-
-        # Slots [0, SLOTS) of the tile's requests: all of a decode round.
-        _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, tl.arange(0, SLOTS)[None, :], live[:, None],
-                     out_start[:, None], q_start[:, None], query_len[:, None], num_valid[:, None],
-                     correction[:, None], start_pos[:, None], total, max_model_len)
-        tl.store(out_last_ptr + rows, tl.where(live, out_start + num_valid, 0).to(tl.int64), mask=rows < max_num_reqs)
-        tl.store(out_qsl_ptr + rows, tl.where(live, out_start, total), mask=rows <= max_num_reqs)
-        new_seq_len = tl.minimum(seq_len + 1, max_model_len).to(tl.int32)
-        tl.store(out_seq_lens_ptr + rows, tl.where(live, new_seq_len, 0), mask=rows < max_num_reqs)
-
-        # Slots past query_start_loc[num_reqs] + num_reqs (a padded token batch): the
-        # grid has enough programs that these chunks cover them all.
-        tail_start = tl.minimum(tl.maximum(tail_start, 0), total)
-        j = tail_start + pid * (ROWS * SLOTS) + tl.arange(0, ROWS * SLOTS)
-        in_tail = j < total
-        tl.store(out_ids_ptr + j, tl.zeros([ROWS * SLOTS], dtype=out_ids_ptr.dtype.element_ty), mask=in_tail)
-        tl.store(out_positions_ptr + j, tl.zeros([ROWS * SLOTS], dtype=tl.int64), mask=in_tail)
-
-        # The rest of requests with more slots (a prompt's draft prefill), one request
-        # at a time, LONG_SLOTS slots per step. The request's values are picked out of
-        # the tile's vectors by reductions: using the vectors in a wider tile instead
-        # would make Triton build them (loads included) in another layout as well, in
-        # front of the common path.
-        long_rows = tl.sum(tl.where(live & (query_len >= SLOTS), 1 << tl.arange(0, ROWS), 0), axis=0)
-        if long_rows != 0:
-            for r in range(ROWS):
-                if (long_rows >> r) & 1:
-                    pick = tl.arange(0, ROWS) == r
-                    row_start = _pick(out_start, pick)
-                    row_q_start = _pick(q_start, pick)
-                    row_len = _pick(query_len, pick)
-                    row_valid = _pick(num_valid, pick)
-                    row_correction = _pick(correction, pick)
-                    row_pos = _pick(start_pos, pick)
-                    for first in range(SLOTS, row_len + 1, LONG_SLOTS):
-                        _write_slots(input_ids_ptr, out_ids_ptr, out_positions_ptr, first + tl.arange(0, LONG_SLOTS),
-                                     True, row_start, row_q_start, row_len, row_valid, row_correction, row_pos, total,
-                                     max_model_len)
-
-    _launch_kernel = CachedLaunch(_prepare_prefill_kernel)
-    expose_to_cpp("prepare_prefill", _prepare_prefill_kernel)
-
-
-def _grid(num_tokens: int, num_reqs: int, max_num_reqs: int) -> tuple[int]:
-    """The kernel's grid, as the C++ launcher computes it: a program per tile of rows (padding rows included), and
-    enough programs that their tail chunks cover the token slots."""
-    rows, slots = _GEOMETRY["rows"], _GEOMETRY["slots"]
-    return (max((max_num_reqs + rows) // rows, (num_tokens + num_reqs + rows * slots - 1) // (rows * slots)),)
-
-
-def _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-            max_model_len, out_ids, out_positions, out_last, out_qsl, out_seq_lens) -> None:
-    """One launch of the Triton kernel from Python (inputs already validated): the TRITON_INTERPRET path of the
-    tests, and a second path to compare the C++ launcher with."""
-    num_tokens = input_ids.shape[0]
-    num_reqs = query_start_loc.shape[0] - 1
-    max_num_reqs = out_last.shape[0]
-    _launch_kernel(
-        _grid(num_tokens, num_reqs, max_num_reqs),
-        (input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-         out_ids, out_positions, out_last, out_qsl, out_seq_lens,
-         num_tokens, num_reqs, max(last_sampled.shape[0], 1), max_num_reqs, max_model_len),
-        (_GEOMETRY["rows"], _GEOMETRY["slots"], _GEOMETRY["long_slots"]),
-        num_warps=_GEOMETRY["num_warps"],
-    )
-
-
-def _prepare_prefill_triton(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
-                            num_rejected, max_model_len, max_num_reqs=None):
-    num_reqs = _check_inputs(_OP, input_ids, positions, query_start_loc, seq_lens, idx_mapping,
-                             last_sampled, num_rejected, max_model_len)
-    outputs = _empty_outputs(input_ids, num_reqs, _resolve_max_num_reqs(num_reqs, max_num_reqs))
-    _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-            max_model_len, *outputs)
-    return outputs
-
-
-def _prepare_prefill_into_triton(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled,
-                                 num_rejected, max_model_len, *buffers):
-    num_reqs = _check_inputs("prepare_prefill_into", input_ids, positions, query_start_loc, seq_lens,
-                             idx_mapping, last_sampled, num_rejected, max_model_len)
-    _check_buffers(input_ids, num_reqs, *buffers)
-    _launch(input_ids, positions, query_start_loc, seq_lens, idx_mapping, last_sampled, num_rejected,
-            max_model_len, *buffers)
-
+    num_reqs = check_inputs("prepare_prefill_into", input_ids, positions, query_start_loc, seq_lens,
+                            idx_mapping, last_sampled, num_rejected, max_model_len)
+    check_buffers(input_ids, num_reqs, *buffers)

@@ -1,0 +1,48 @@
+"""Tile geometry of every Triton kernel, in one table (tuned on the H200; benchmarks/RESULTS.md has the figures).
+
+The two kernels launched from C++ (prepare_prefill, create_output) are launched with the numbers of
+csrc/triton_launch.h, which `_C._launch_geometry()` reports; tests/test_geometry.py checks that they equal the
+entries here, which the Python launch path and the benchmarks use.
+"""
+from __future__ import annotations
+
+PREPARE_PREFILL = dict(
+    rows=16,  # requests per program
+    slots=16,  # the tile's first columns: all query_len + 1 = k + 2 slots of a decode round with k up to 14
+    long_slots=1024,  # the rest of a longer query (a prompt), one request at a time, this many slots per step
+    num_warps=4,
+)
+
+CREATE_OUTPUT = dict(
+    block_rows=16,  # rows per program: small tiles, many programs
+    num_warps=4,
+)
+
+ADVANCE_DRAFT_STEP = dict(block=1024, num_warps=4)
+
+# Chosen by a geometry sweep on the H200: 4 warps over 1024-entry blocks (two race segments per thread), three
+# pipeline stages, chunks of at most 8192 entries, and at least one program per SM when the batch is small.
+REJECTION_SAMPLE = dict(
+    block_v=1024,
+    num_warps=4,
+    num_stages=3,
+    max_chunk=8192,  # longer rows are split even when the batch alone fills the GPU
+    programs_per_sm=1,
+)
+
+# One program per row, so wide blocks keep a row's two passes short.
+SAMPLE_DRAFT = dict(block_v=4096, num_warps=16)
+
+# greedy_verify and typical_acceptance: 8 warps from 2048-entry blocks on, else 4.
+VERIFY = dict(
+    max_block_v=4096,
+    min_chunk=8192,  # a program reads at least this many entries of a row when V allows
+    programs_per_sm=4,
+    wide_block_v=2048,
+    wide_num_warps=8,
+    num_warps=4,
+    interpreter_sms=4,  # the SM count assumed without CUDA (TRITON_INTERPRET), so small tests split rows
+)
+
+# The entries C++ launches with, by the names `_C._launch_geometry()` uses.
+LAUNCHED_FROM_CPP = {"prepare_prefill": PREPARE_PREFILL, "create_output": CREATE_OUTPUT}
