@@ -6,6 +6,7 @@ kernels for torch.compile. The functions below are thin typed wrappers; each
 op's contract is documented in its own module.
 """
 from . import _library  # noqa: F401  (loads the C++ extension first)
+from .strict import strict_mode, strict_mode_enabled
 from .draft_step import advance_draft_step, advance_draft_step_reference
 from .output import create_output, create_output_reference
 from .runtime import BlockPool, DraftProposer, ProposerConfig
@@ -34,3 +35,8 @@ __all__ = [
     "typical_acceptance",
     "typical_acceptance_reference",
 ]
+__all__ += ["strict_mode", "strict_mode_enabled"]
+
+from .strict import _enable_from_environment  # noqa: E402
+
+_enable_from_environment()
