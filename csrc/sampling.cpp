@@ -336,7 +336,8 @@ at::Tensor sample_draft_impl(const at::Tensor& logits, const at::Tensor& tempera
           z_max = std::max(z_max, z);
           key = z - std::log(exponential(draw_bits(state, static_cast<uint32_t>(v))));
         }
-        if (first || key > best_key) {
+        // NaN counts as the largest key, first NaN winning, as torch.argmax does (and the reference).
+        if (first || key > best_key || (std::isnan(key) && !std::isnan(best_key))) {
           best_key = key;
           best = v;
           first = false;

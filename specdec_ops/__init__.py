@@ -11,6 +11,8 @@ from .ops.draft_step import advance_draft_step, advance_draft_step_reference
 from .ops.output import create_output, create_output_reference
 from .ops.prefill import PrefillInputs, prepare_prefill, prepare_prefill_into, prepare_prefill_reference
 from .ops.sampling import rejection_sample, rejection_sample_reference, sample_draft, sample_draft_reference
+from . import strict as _strict
+from .strict import strict_mode, strict_mode_enabled
 from .ops.verify import greedy_verify, greedy_verify_reference, typical_acceptance, typical_acceptance_reference
 from .runtime import BlockPool, DraftProposer, ProposerConfig
 
@@ -37,4 +39,9 @@ __all__ = [
     "greedy_verify_reference",
     "typical_acceptance",
     "typical_acceptance_reference",
+    "strict_mode",
+    "strict_mode_enabled",
 ]
+
+# SPECDEC_STRICT=1 turns strict mode on for the importing thread (specdec_ops/strict.py).
+_strict._enable_from_environment()
