@@ -164,8 +164,17 @@ at::Tensor greedy_verify_counted_cpu(const at::Tensor& target_logits, const at::
   return verify_impl("greedy_verify", "target_logits", target_logits, draft_token_ids, nullptr, &counters);
 }
 
+void check_typical_params(double posterior_threshold, double posterior_alpha) {
+  // !(x >= 0) also refuses NaN.
+  SPECDEC_CHECK(posterior_threshold >= 0.0, "typical_acceptance: argument 'posterior_threshold' must be >= 0, got ",
+                posterior_threshold);
+  SPECDEC_CHECK(posterior_alpha >= 0.0, "typical_acceptance: argument 'posterior_alpha' must be >= 0, got ",
+                posterior_alpha);
+}
+
 at::Tensor typical_acceptance_cpu(const at::Tensor& target_probs, const at::Tensor& draft_token_ids,
                                   double posterior_threshold, double posterior_alpha) {
+  check_typical_params(posterior_threshold, posterior_alpha);
   const TypicalParams params{posterior_threshold, posterior_alpha};
   return verify_impl("typical_acceptance", "target_probs", target_probs, draft_token_ids, &params, nullptr);
 }
@@ -173,6 +182,7 @@ at::Tensor typical_acceptance_cpu(const at::Tensor& target_probs, const at::Tens
 at::Tensor typical_acceptance_counted_cpu(const at::Tensor& target_probs, const at::Tensor& draft_token_ids,
                                           double posterior_threshold, double posterior_alpha,
                                           at::Tensor counters) {
+  check_typical_params(posterior_threshold, posterior_alpha);
   const TypicalParams params{posterior_threshold, posterior_alpha};
   return verify_impl("typical_acceptance", "target_probs", target_probs, draft_token_ids, &params, &counters);
 }

@@ -413,6 +413,23 @@ def test_sample_draft_nan_or_negative_temperature_is_greedy(backend):
     assert torch.equal(backend.sample_draft(logits, temperature, seeds, positions), logits.argmax(-1))
 
 
+def test_sample_draft_nan_logit_counts_as_the_largest(backend):
+    # As torch.argmax: the first NaN's index, for greedy and random rows, with or without probs; one NaN
+    # lane past the first block of the row too.
+    logits = torch.tensor([[0.0, float("nan"), 5.0, 1.0], [float("nan"), 2.0, float("nan"), 9.0],
+                           [3.0, 1.0, 2.0, float("nan")], [0.0, float("nan"), 5.0, 1.0]])
+    wide = torch.randn(2, 3000)
+    wide[0, 2049], wide[0, 2900], wide[1, 7] = float("nan"), float("nan"), float("nan")
+    for rows in (logits, wide):
+        n = rows.shape[0]
+        for temperature in (torch.zeros(n), torch.full((n,), 0.7)):
+            args = (rows, temperature, torch.arange(n), torch.arange(n))
+            expected = specdec_ops.sample_draft_reference(*args)
+            assert torch.equal(expected, rows.argmax(-1))
+            assert torch.equal(backend.sample_draft(*args), expected)
+            assert torch.equal(backend.sample_draft(*args, probs=torch.empty(rows.shape)), expected)
+
+
 def test_sample_draft_writes_a_strided_column(backend):
     """probs may be buf[:, step, :] of an [n, k, V] buffer; other steps are left alone."""
     rows, k, vocab = 6, 3, 40

@@ -249,7 +249,7 @@ def test_nan_and_infinite_logits_follow_torch_argmax(backend):
     check_every_split(backend, "greedy", logits, draft)
 
 
-@pytest.mark.parametrize("threshold,alpha", [(0.0, 0.0), (1.0, 1.0), (0.5, 0.0), (-1.0, -1.0)])
+@pytest.mark.parametrize("threshold,alpha", [(0.0, 0.0), (1.0, 1.0), (0.5, 0.0)])
 def test_typical_threshold_and_alpha(backend, threshold, alpha):
     # One-hot and two-point rows keep the draft probabilities far from every threshold here.
     target = torch.zeros(2, 3, 8)
@@ -258,9 +258,9 @@ def test_typical_threshold_and_alpha(backend, threshold, alpha):
     target[1, :, 6] = 0.25
     draft = torch.tensor([[3, 4], [6, -1]])
     out = check(backend, "typical", target, draft, threshold, alpha)
-    # A negative limit accepts every in-vocabulary id, never an out-of-vocabulary one.
-    if threshold < 0:
-        assert out.tolist() == [[3, 4, 3], [6, 1, -1]]
+    # A zero limit accepts every in-vocabulary id with p > 0, never an out-of-vocabulary one.
+    if threshold == 0 and alpha == 0:
+        assert out.tolist() == [[3, 3, -1], [6, 1, -1]]
 
 
 # --- Triton bookkeeping --------------------------------------------------------------------
@@ -477,3 +477,12 @@ def test_cuda_no_sync():
     _verify_both(logits, probs, draft, counters)  # compile the kernels outside the check
     with sync_forbidden():
         _verify_both(logits, probs, draft, counters)
+
+
+@pytest.mark.parametrize("name,value", [("posterior_threshold", -1.0), ("posterior_alpha", -0.1),
+                                        ("posterior_threshold", float("nan"))])
+def test_typical_acceptance_refuses_negative_parameters(name, value):
+    # Refused always (strict mode or not), by the C++ kernel, the fake and the Triton entry alike.
+    probs = torch.rand(2, 4, 9).softmax(-1)
+    draft = torch.randint(0, 9, (2, 3))
+    check_bad_input("typical_acceptance", (probs, draft), {name: value}, match=f"argument '{name}' must be >= 0")

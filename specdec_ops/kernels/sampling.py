@@ -252,8 +252,10 @@ def sample_draft_kernel(
         else:
             z = x
             key = x
-        # Ties (-inf keys included) go to the lower index; a lane visits indices in increasing order.
-        better = in_row & ((key > best_key) | ((key == best_key) & (v < best_idx)))
+        # Ties (-inf keys included) go to the lower index; a lane visits indices in increasing order. A NaN key
+        # counts as the largest, first NaN winning, as torch.argmax (the reference) has it.
+        better = in_row & (best_key == best_key) & ((key != key) | (key > best_key) |
+                                                    ((key == best_key) & (v < best_idx)))
         best_key = tl.where(better, key, best_key)
         best_idx = tl.where(better, v, best_idx)
         if WITH_PROBS:
@@ -262,9 +264,12 @@ def sample_draft_kernel(
             lane_sum = tl.where(finite, lane_sum * tl.exp(lane_max - new_max) + tl.exp(z - new_max), 0.0)
             lane_max = new_max
             lane_nan = lane_nan | (z != z)
-    top = tl.max(best_key)
+    lane_best_nan = best_key != best_key
+    nan_token = tl.min(tl.where(lane_best_nan, best_idx, vocab))
+    top = tl.max(tl.where(lane_best_nan, float("-inf"), best_key))
     token = tl.min(tl.where(best_key == top, best_idx, vocab))
-    token = tl.minimum(token, vocab - 1)  # all-NaN rows: stay in range
+    token = tl.where(nan_token < vocab, nan_token, token)
+    token = tl.minimum(token, vocab - 1)
     tl.store(out_ptr + row, token.to(tl.int64))
 
     if WITH_PROBS:

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from .._library import register_cuda
 from ..ops.output import empty_output_row
-from ..ops.verify import GREEDY, TYPICAL, check_inputs
+from ..ops.verify import GREEDY, TYPICAL, check_inputs, check_typical_params
 from .constants import ENTROPY_EPS, NO_INDEX
 from .counters import add_counters_tl
 from .geometry import VERIFY
@@ -181,6 +181,7 @@ def typical_acceptance_triton(target_probs, draft_token_ids, posterior_threshold
                               counters=None):
     """The CUDA kernel of both overloads of typical_acceptance (counters given: .counted), launched from Python."""
     check_inputs(TYPICAL, "target_probs", target_probs, draft_token_ids, counters)
+    check_typical_params(posterior_threshold, posterior_alpha)
     return launch(target_probs, draft_token_ids, counters, True, posterior_threshold, posterior_alpha)
 
 

@@ -42,9 +42,9 @@ sample_draft(logits, temperature, seeds, positions) and .with_probs(..., probs)
 Row r of ``logits`` [n, V] (float16/bfloat16/float32/float64, used as float32)
 with ``temperature[r]`` (float32 [n]) > 0 samples a token from
 ``softmax(logits[r] / T)``; a temperature <= 0 (or NaN) is greedy: the argmax
-of the float32 logits, lowest index on ties (for a row holding NaN the token is
-unspecified but in [0, V): the CPU kernel picks the first NaN as torch.argmax
-does, the CUDA kernel skips NaNs). Greedy and random rows mix in one
+of the float32 logits, lowest index on ties. A NaN logit counts as the largest
+value, as in torch.argmax: a row holding NaN gives the index of its first NaN,
+greedy or random, in the reference and both kernels. Greedy and random rows mix in one
 call. Returns int64 [n]. ``with_probs`` also writes ``softmax(logits / T)`` in
 float32 into ``probs`` [n, V] (one-hot at the argmax for greedy rows): the q
 that rejection_sample consumes. ``probs`` only needs a unit last stride, so a

@@ -208,6 +208,13 @@ def check_inputs(op, target_name, target, draft_token_ids, counters=None) -> Non
         check_counters(op, counters, device)
 
 
+def check_typical_params(posterior_threshold: float, posterior_alpha: float) -> None:
+    """Refuses negative (or NaN) typical-acceptance parameters, strict mode or not."""
+    for name, value in (("posterior_threshold", posterior_threshold), ("posterior_alpha", posterior_alpha)):
+        if not value >= 0:
+            raise ValueError(f"{TYPICAL}: argument '{name}' must be >= 0, got {value}")
+
+
 @register_fake(GREEDY, ("default", "counted"))
 def _greedy_verify_fake(target_logits, draft_token_ids, counters=None):
     check_inputs(GREEDY, "target_logits", target_logits, draft_token_ids, counters)
@@ -218,4 +225,5 @@ def _greedy_verify_fake(target_logits, draft_token_ids, counters=None):
 def _typical_acceptance_fake(target_probs, draft_token_ids, posterior_threshold=0.09, posterior_alpha=0.3,
                              counters=None):
     check_inputs(TYPICAL, "target_probs", target_probs, draft_token_ids, counters)
+    check_typical_params(posterior_threshold, posterior_alpha)
     return empty_output_row(draft_token_ids)
