@@ -12,7 +12,7 @@ if HAS_TRITON:
     from specdec_ops.kernels import prefill as prefill_kernels
 
 from conftest import check_outputs_use_torchs_allocator, sync_forbidden
-from harness import Backend, check_bad_input
+from harness import Backend, capture_graph, check_bad_input
 from samples import make_batch
 
 
