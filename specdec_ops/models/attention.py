@@ -115,7 +115,7 @@ def _attend_range(acc, m_i, l_i, q, kv_head, row, limit, active, start, end,
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = s * scale.to(tl.float32)  # inductor passes Python floats to user kernels as float64
+        s = (s * scale).to(tl.float32)  # inductor passes Python floats to user kernels as float64
         visible = (c[None, :] < limit[:, None]) & active[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
