@@ -322,7 +322,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_impl(
         store_int(out, b * (k + 1) + c, v);
         local_emitted += v != -1;
         if (logprob_data != nullptr) {
-          logprob_data[b * (k + 1) + c] = v == -1 ? std::numeric_limits<float>::quiet_NaN() : p_rows[c].logprob(v);
+          logprob_data[b * (k + 1) + c] = v == -1 ? 0.0f : p_rows[c].logprob(v);
         }
       }
       local_accepted += accepted_here;

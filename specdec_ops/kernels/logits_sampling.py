@@ -397,7 +397,7 @@ if HAS_TRITON:
             kept = (_order_key_tl(z_out) >= tau) & (e_out >= min_e)
             logprob = tl.where(kept, (z_out - m) - tl.log(mass), float("-inf"))
             logprob = tl.where(greedy, 0.0, logprob)
-            tl.store(logprobs_ptr + b * (k + 1) + i, tl.where(emitted, logprob, float("nan")), mask=in_rows)
+            tl.store(logprobs_ptr + b * (k + 1) + i, tl.where(emitted, logprob, 0.0), mask=in_rows)
         if COUNT:
             add_counters_tl(counters_ptr, num_accepted, (j + 1).to(tl.int64), k)
 

@@ -73,8 +73,8 @@ Output: [B, k+1] in the create_output layout (specdec_ops/output.py), dtype of `
 rejection_sample does, the accept decisions at ALL k positions in token-wise mode (greedy rows: the matches), and
 the accepted prefix length tau in block mode (per-position decisions do not exist there). The ``logprobs``
 overloads also return float32 [B, k+1]: the log-probability of each emitted token under the processed target
-distribution of its position, ``(z_t - m) - log(S)`` (0 for greedy rows, whose distribution is one-hot), and NaN
-where the output is -1.
+distribution of its position, ``(z_t - m) - log(S)`` (0 for greedy rows, whose distribution is one-hot), and 0
+where the output is -1, so that a row's sum is the log-probability of what it emitted.
 
 Inputs: ``target_logits`` [B, k+1, V] float32/bfloat16/float16; ``draft_token_ids`` [B, k] int32/int64 (k >= 1;
 ids outside [0, V) are rejected, never dereferenced); ``draft_probs`` [B, k, V] float32/bfloat16/float16 or None;
@@ -224,7 +224,7 @@ class Processed:
         k_on = (k > 0) & (k < vocab)
         k_eff = torch.where(k_on, k, vocab).expand(*z.shape[:-1], 1)
         tau_k = sorted_z.gather(-1, k_eff - 1)
-        count_k = (z >= tau_k).sum(-1, keepdim=True)
+        count_k = (z >= tau_k).sum(-1, keepdim=True).clamp(min=1)  # 0 only in a NaN row
         mass_k = cumulative.gather(-1, count_k - 1)
         p = top_p.float()[:, None, None]
         target = p.double() * mass_k
@@ -333,7 +333,7 @@ def rejection_sample_logits_reference(
     emitted = out != -1
     logprobs = torch.stack([target.logprob(c, torch.where(emitted[:, c], out[:, c].long(), 0)) for c in range(k + 1)],
                            dim=1)
-    return out, torch.where(emitted, logprobs, torch.nan)
+    return out, torch.where(emitted, logprobs, 0.0)
 
 
 def sample_draft_filtered_reference(logits, temperature, top_k, top_p, min_p, seeds, positions,
