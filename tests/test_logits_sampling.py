@@ -324,6 +324,21 @@ def test_triton_multi_block_rows(block):
     check_against_reference(run_triton, args, block, block_v=16)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_gather_cap_of_the_gpu():
+    """The CUDA configuration's cap (1024 candidates sorted in registers) on CPU tensors: every row of V = 40 is
+    finished by the gather at once, top-k, top-p and min-p alike (the interpreter's default cap of 32 makes most
+    test rows search first)."""
+    args = make_case(23, 1, 1, 40, draft="logits")
+    args = (*args[:4], torch.ones(1), torch.tensor([6]), torch.tensor([0.9]), torch.tensor([0.05]), *args[8:])
+    expected, expected_lp = reference(args, False, logprobs=True)
+    if HAS_CUDA:
+        return  # the CUDA tests run this cap through the op
+    out, lp = kernels._launch_rejection(*args, False, None, True, gather_cap=kernels._GATHER_CAP)
+    assert torch.equal(out, expected)
+    torch.testing.assert_close(lp, expected_lp, **LOGPROB_TOL)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_batch_invariance_and_fresh_draws(kernel):
     args = make_case(41, 6, 2, 30, draft="probs")

@@ -39,6 +39,9 @@ _BLOCK_V = 1024
 _SEARCH_BLOCK = 256
 _NUM_PROBES = 16
 _NUM_WARPS = 8
+# A search stops once at most this many entries are at or above its lower bound; they are then copied to a per-row
+# scratch and sorted in registers, which gives the thresholds exactly.
+_GATHER_CAP = 1024
 
 if HAS_TRITON:
     from ..output import add_counters_tl
@@ -61,10 +64,15 @@ if HAS_TRITON:
         return tl.where(key == -1, 0, key)
 
     @triton.jit
+    def _key_to_float_tl(key):
+        """The float32 whose order key is key (int32): the inverse of _order_key_tl."""
+        return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _search_pass_tl(row_ptr, vocab, temperature, m, lo, hi, top_k, target,
                         USE_MASS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr):
         """One pass of the threshold search in [lo, hi] (int64 keys, cond(lo) true): the new (lo, hi), the mass
-        at or above the new lo when a probe moved it (else -1), and whether a probe moved lo."""
+        and the count at or above the new lo when a probe moved it, and whether a probe moved lo."""
         p = tl.arange(0, NUM_PROBES).to(tl.int64)
         width = hi - lo
         probes64 = lo + ((p + 1) * width + NUM_PROBES - 1) // NUM_PROBES  # in (lo, hi], the last one is hi
@@ -93,28 +101,69 @@ if HAS_TRITON:
             ok = counts >= top_k
         num_ok = tl.sum(ok.to(tl.int32), axis=0)
         new_lo = tl.max(tl.where(ok, probes64, lo), axis=0)
-        new_lo_mass = tl.max(tl.where(ok & (probes64 == new_lo), masses, -1.0), axis=0)
+        at_new_lo = ok & (probes64 == new_lo)
+        new_lo_mass = tl.max(tl.where(at_new_lo, masses, -1.0), axis=0)
+        new_lo_count = tl.max(tl.where(at_new_lo, counts, -1), axis=0)
         new_hi = tl.where(num_ok < NUM_PROBES, tl.min(tl.where(ok, hi + 1, probes64), axis=0) - 1, hi)
         # No entry between the old lo and the smallest entry key inside: the condition holds there too.
         new_lo = tl.maximum(new_lo, tl.min(key_min, axis=0).to(tl.int64))
         new_hi = tl.minimum(new_hi, tl.max(key_max, axis=0).to(tl.int64))
-        return new_lo, new_hi, new_lo_mass, num_ok > 0
+        return new_lo, new_hi, new_lo_mass, new_lo_count, num_ok > 0
 
     @triton.jit
-    def _search_tl(row_ptr, vocab, temperature, m, lo, hi, lo_mass, top_k, target,
-                   USE_MASS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr):
-        """The largest key t in [lo, hi] with cond(t) (cond(lo) true), and the mass at or above it."""
+    def _search_tl(row_ptr, vocab, temperature, m, lo, hi, lo_mass, lo_count, top_k, target,
+                   USE_MASS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr,
+                   CAP: tl.constexpr):
+        """Raises lo (cond(lo) true, lo_count entries at or above it) toward the largest key with cond: returns
+        (lo, mass at or above lo, count at or above lo). Either lo is that key, or at most CAP entries are at or
+        above lo and the search stopped early (the gather finishes it exactly)."""
         passes = 0
-        while (lo < hi) & (passes < 40):  # a finite row needs at most 8 passes of 16 probes; 40 bounds NaN rows
-            lo, hi, new_mass, moved = _search_pass_tl(row_ptr, vocab, temperature, m, lo, hi, top_k, target,
-                                                      USE_MASS, SEARCH_BLOCK, NUM_PROBES)
+        # A finite row converges in at most 8 passes of 16 probes; 40 bounds rows of NaN.
+        while (lo < hi) & (lo_count > CAP) & (passes < 40):
+            lo, hi, new_mass, new_count, moved = _search_pass_tl(row_ptr, vocab, temperature, m, lo, hi, top_k,
+                                                                 target, USE_MASS, SEARCH_BLOCK, NUM_PROBES)
             lo_mass = tl.where(moved, new_mass, lo_mass)
+            lo_count = tl.where(moved, new_count, lo_count)
             passes += 1
-        return lo, lo_mass
+        return lo, lo_mass, lo_count
 
     @triton.jit
-    def _row_stats_tl(row_ptr, vocab, temperature, top_k, top_p, min_e,
-                      BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr):
+    def _gather_finish_tl(row_ptr, scratch_ptr, vocab, temperature, m, lo, k_pending, top_k, tau_k_z, mass_k,
+                          p_on, top_p, min_e, SEARCH_BLOCK: tl.constexpr, CAP: tl.constexpr):
+        """The exact thresholds and kept mass from the (at most CAP) entries with key >= lo, which hold every kept
+        entry: one pass copies their z into the row's scratch, then they are sorted in registers. k_pending: the
+        top-k threshold is still to find (else tau_k_z and mass_k are given). Returns (tau key int64, S)."""
+        lo32 = lo.to(tl.int32)
+        count = tl.zeros([], tl.int32)
+        for v0 in range(0, vocab, SEARCH_BLOCK):
+            v = v0 + tl.arange(0, SEARCH_BLOCK)
+            in_row = v < vocab
+            z = tl.load(row_ptr + v, mask=in_row, other=float("-inf")).to(tl.float32) / temperature
+            candidate = in_row & (_order_key_tl(z) >= lo32)
+            position = count + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
+            tl.store(scratch_ptr + position, z, mask=candidate & (position < CAP))
+            count += tl.sum(candidate.to(tl.int32), axis=0)
+        tl.debug_barrier()  # the stores of every thread are visible to the loads below
+        count = tl.minimum(count, CAP)
+        index = tl.arange(0, CAP)
+        sorted_z = tl.sort(tl.load(scratch_ptr + index, mask=index < count, other=float("-inf")), descending=True)
+        e = tl.exp(sorted_z - m)  # 0 for the -inf padding
+        if k_pending:
+            tau_k_z = tl.max(tl.where(index == top_k - 1, sorted_z, float("-inf")), axis=0)
+            mass_k = tl.sum(tl.where(sorted_z >= tau_k_z, e, 0.0), axis=0)
+        tau_z = tau_k_z
+        if p_on:
+            # The first sorted position whose cumulative mass reaches top_p * M_k; its value is tau_p.
+            first = tl.sum((tl.cumsum(e, axis=0) < top_p * mass_k).to(tl.int32), axis=0)
+            first = tl.minimum(first, count - 1)
+            tau_z = tl.maximum(tau_z, tl.max(tl.where(index == first, sorted_z, float("-inf")), axis=0))
+        mass = tl.sum(tl.where((sorted_z >= tau_z) & (e >= min_e), e, 0.0), axis=0)
+        return _order_key_tl(tau_z).to(tl.int64), mass
+
+    @triton.jit
+    def _row_stats_tl(row_ptr, scratch_ptr, vocab, temperature, top_k, top_p, min_e,
+                      BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr,
+                      CAP: tl.constexpr):
         """(m, tau key, S, argmax) of one logit row; m, tau and S only matter for a positive temperature."""
         is_random = temperature > 0
         t = tl.where(is_random, temperature, 1.0)
@@ -146,23 +195,42 @@ if HAS_TRITON:
         p_on = top_p < 1.0
         if is_random & (k_on | p_on | (min_e > 0)):
             key_m = _order_key_tl(m).to(tl.int64)
-            mass_k = mass
+            lo = tau
+            lo_mass = mass
+            lo_count = tl.zeros([], tl.int32) + vocab
             if k_on:
-                tau, mass_k = _search_tl(row_ptr, vocab, t, m, tau, key_m, mass, top_k.to(tl.int32), 0.0,
-                                         False, SEARCH_BLOCK, NUM_PROBES)
-            if p_on:
-                tau, mass_k = _search_tl(row_ptr, vocab, t, m, tau, key_m, mass_k, 0, top_p * mass_k, True,
-                                         SEARCH_BLOCK, NUM_PROBES)
-            tau32 = tau.to(tl.int32)
-            kept_mass = tl.zeros([BLOCK_V], tl.float32)
-            for v0 in range(0, vocab, BLOCK_V):
-                v = v0 + tl.arange(0, BLOCK_V)
-                in_row = v < vocab
-                z = tl.load(row_ptr + v, mask=in_row, other=float("-inf")).to(tl.float32) / t
-                e = tl.exp(z - m)
-                kept = in_row & (_order_key_tl(z) >= tau32) & (e >= min_e)
-                kept_mass += tl.where(kept, e, 0.0)
-            mass = tl.sum(kept_mass, axis=0)
+                lo, lo_mass, lo_count = _search_tl(row_ptr, vocab, t, m, lo, key_m, lo_mass, lo_count,
+                                                   top_k.to(tl.int32), 0.0, False, SEARCH_BLOCK, NUM_PROBES, CAP)
+            final_pass = (lo_count > CAP).to(tl.int32)
+            if lo_count <= CAP:
+                # The top-k set (or, top-k off, the whole row) is at most CAP entries: finish in registers.
+                # With top-k off, tau_k is -inf (lo's value) and M_k the row's mass (lo_mass).
+                tau, mass = _gather_finish_tl(row_ptr, scratch_ptr, vocab, t, m, lo, k_on, top_k,
+                                              _key_to_float_tl(lo.to(tl.int32)), lo_mass, p_on, top_p, min_e,
+                                              SEARCH_BLOCK, CAP)
+            else:
+                tau = lo  # tau_k exactly (the search converged), or -inf's key with top-k off
+                if p_on:
+                    mass_k = lo_mass
+                    tau_k_z = _key_to_float_tl(lo.to(tl.int32))
+                    lo, p_mass, lo_count = _search_tl(row_ptr, vocab, t, m, lo, key_m, lo_mass, lo_count, 0,
+                                                      top_p * mass_k, True, SEARCH_BLOCK, NUM_PROBES, CAP)
+                    tau = lo
+                    if lo_count <= CAP:
+                        tau, mass = _gather_finish_tl(row_ptr, scratch_ptr, vocab, t, m, lo, False, top_k, tau_k_z,
+                                                      mass_k, True, top_p, min_e, SEARCH_BLOCK, CAP)
+                        final_pass = final_pass * 0
+            if final_pass != 0:
+                tau32 = tau.to(tl.int32)
+                kept_mass = tl.zeros([BLOCK_V], tl.float32)
+                for v0 in range(0, vocab, BLOCK_V):
+                    v = v0 + tl.arange(0, BLOCK_V)
+                    in_row = v < vocab
+                    z = tl.load(row_ptr + v, mask=in_row, other=float("-inf")).to(tl.float32) / t
+                    e = tl.exp(z - m)
+                    kept = in_row & (_order_key_tl(z) >= tau32) & (e >= min_e)
+                    kept_mass += tl.where(kept, e, 0.0)
+                mass = tl.sum(kept_mass, axis=0)
         return m, tau.to(tl.int32), mass, argmax
 
     @triton.jit
@@ -180,11 +248,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _row_stats_kernel(
-        target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr,
+        target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, scratch_ptr,
         k, vocab, t_stride_b, t_stride_i, d_stride_b, d_stride_i,
         temperature_stride, top_k_stride, top_p_stride, min_p_stride,
         HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-        NUM_PROBES: tl.constexpr,
+        NUM_PROBES: tl.constexpr, CAP: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         r = tl.program_id(1)
@@ -194,17 +262,18 @@ if HAS_TRITON:
         min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
         num_rows = tl.num_programs(1)
         out = stats_ptr + (b * num_rows + r) * 4
+        scratch = scratch_ptr + (b * num_rows + r) * CAP
         if r <= k:
-            m, tau, mass, argmax = _row_stats_tl(target_ptr + b * t_stride_b + r.to(tl.int64) * t_stride_i, vocab,
-                                                 temperature, top_k, top_p, min_e, BLOCK_V, SEARCH_BLOCK,
-                                                 NUM_PROBES)
+            m, tau, mass, argmax = _row_stats_tl(target_ptr + b * t_stride_b + r.to(tl.int64) * t_stride_i, scratch,
+                                                 vocab, temperature, top_k, top_p, min_e, BLOCK_V, SEARCH_BLOCK,
+                                                 NUM_PROBES, CAP)
             _store_stats_tl(out, m, tau, mass, argmax)
         if HAS_DRAFT_LOGITS:
             if r > k:
                 row = (r - k - 1).to(tl.int64)
-                m, tau, mass, argmax = _row_stats_tl(draft_logits_ptr + b * d_stride_b + row * d_stride_i, vocab,
-                                                     temperature, top_k, top_p, min_e, BLOCK_V, SEARCH_BLOCK,
-                                                     NUM_PROBES)
+                m, tau, mass, argmax = _row_stats_tl(draft_logits_ptr + b * d_stride_b + row * d_stride_i, scratch,
+                                                     vocab, temperature, top_k, top_p, min_e, BLOCK_V, SEARCH_BLOCK,
+                                                     NUM_PROBES, CAP)
                 _store_stats_tl(out, m, tau, mass, argmax)
 
     @triton.jit
@@ -404,10 +473,10 @@ if HAS_TRITON:
     @triton.jit
     def _draft_kernel(
         logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr, out_ptr, probs_ptr,
-        vocab, logits_stride, temperature_stride, top_k_stride, top_p_stride, min_p_stride, seed_stride,
+        scratch_ptr, vocab, logits_stride, temperature_stride, top_k_stride, top_p_stride, min_p_stride, seed_stride,
         position_stride, probs_stride,
         WITH_PROBS: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr,
-        FAST_LOG: tl.constexpr,
+        CAP: tl.constexpr, FAST_LOG: tl.constexpr,
     ):
         r = tl.program_id(0).to(tl.int64)
         temperature = tl.load(temperature_ptr + r * temperature_stride)
@@ -417,8 +486,8 @@ if HAS_TRITON:
         top_p = tl.load(top_p_ptr + r * top_p_stride)
         min_e = _min_e_tl(tl.load(min_p_ptr + r * min_p_stride))
         row = logits_ptr + r * logits_stride
-        m, tau, mass, argmax = _row_stats_tl(row, vocab, temperature, top_k, top_p, min_e, BLOCK_V, SEARCH_BLOCK,
-                                             NUM_PROBES)
+        m, tau, mass, argmax = _row_stats_tl(row, scratch_ptr + r * CAP, vocab, temperature, top_k, top_p, min_e,
+                                             BLOCK_V, SEARCH_BLOCK, NUM_PROBES, CAP)
         state = _row_state_tl(tl.load(seed_ptr + r * seed_stride), tl.load(position_ptr + r * position_stride),
                               tl.zeros([], tl.int32) + 1)  # purpose DRAFT
         token = argmax.to(tl.int64)
@@ -449,8 +518,13 @@ if HAS_TRITON:
         tl.store(out_ptr + r, token)
 
 
+def _gather_cap(device, gather_cap):
+    # The interpreter's sort is slow; its small cap also makes the CPU tests run both the gather and the full search.
+    return gather_cap or (_GATHER_CAP if device.type == "cuda" else 32)
+
+
 def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits, temperature, top_k, top_p, min_p,
-                      seeds, offsets, block_verification, counters, with_logprobs, block_v=None):
+                      seeds, offsets, block_verification, counters, with_logprobs, block_v=None, gather_cap=None):
     batch, k = draft_token_ids.shape
     vocab = target_logits.shape[2]
     device = target_logits.device
@@ -464,13 +538,16 @@ def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits,
     has_probs = draft_probs is not None
     num_rows = k + 1 + (k if has_logits else 0)
     stats = torch.empty((batch, num_rows, 4), dtype=torch.int32, device=device)
+    cap = _gather_cap(device, gather_cap)
+    scratch = torch.empty((batch * num_rows, cap), dtype=torch.float32, device=device)
     _row_stats_kernel[(batch, num_rows)](
         target_logits, draft_logits if has_logits else target_logits, temperature, top_k, top_p, min_p, stats,
+        scratch,
         k, vocab, target_logits.stride(0), target_logits.stride(1),
         draft_logits.stride(0) if has_logits else 0, draft_logits.stride(1) if has_logits else 0,
         temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0),
         HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, SEARCH_BLOCK=search_block, NUM_PROBES=_NUM_PROBES,
-        num_warps=_NUM_WARPS,
+        CAP=cap, num_warps=_NUM_WARPS,
     )
     q = draft_probs if has_probs else (draft_logits if has_logits else target_logits)
     _verify_kernel[(batch,)](
@@ -519,19 +596,21 @@ def _rejection_logprobs_counted_triton(target_logits, draft_token_ids, draft_pro
                              min_p, seeds, offsets, block_verification, counters, True)
 
 
-def _launch_draft(logits, temperature, top_k, top_p, min_p, seeds, positions, probs, block_v=None):
+def _launch_draft(logits, temperature, top_k, top_p, min_p, seeds, positions, probs, block_v=None, gather_cap=None):
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
     block_v = block_v or min(_BLOCK_V, max(16, triton.next_power_of_2(vocab)))
     with_probs = probs is not None
+    cap = _gather_cap(logits.device, gather_cap)
+    scratch = torch.empty((rows, cap), dtype=torch.float32, device=logits.device)
     _draft_kernel[(rows,)](
-        logits, temperature, top_k, top_p, min_p, seeds, positions, out, probs if with_probs else out,
+        logits, temperature, top_k, top_p, min_p, seeds, positions, out, probs if with_probs else out, scratch,
         vocab, logits.stride(0), temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0),
         seeds.stride(0), positions.stride(0), probs.stride(0) if with_probs else 0,
         WITH_PROBS=with_probs, BLOCK_V=block_v, SEARCH_BLOCK=min(_SEARCH_BLOCK, block_v), NUM_PROBES=_NUM_PROBES,
-        FAST_LOG=out.is_cuda, num_warps=_NUM_WARPS,
+        CAP=cap, FAST_LOG=out.is_cuda, num_warps=_NUM_WARPS,
     )
     return out
 
