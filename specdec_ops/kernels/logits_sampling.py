@@ -70,12 +70,21 @@ if HAS_TRITON:
 
     @triton.jit
     def _search_pass_tl(row_ptr, vocab, temperature, m, lo, hi, top_k, target,
-                        USE_MASS: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr):
+                        USE_MASS: tl.constexpr, VALUE_PROBES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                        NUM_PROBES: tl.constexpr):
         """One pass of the threshold search in [lo, hi] (int64 keys, cond(lo) true): the new (lo, hi), the mass
-        and the count at or above the new lo when a probe moved it, and whether a probe moved lo."""
+        and the count at or above the new lo when a probe moved it, and whether a probe moved lo.
+
+        The probes are increasing keys in (lo, hi]: spread evenly over the keys, or (VALUE_PROBES, a search's
+        first pass) at z = m - delta for delta from 2**4.5 down to 2**-3 by factors of sqrt(2), where the
+        thresholds of typical logits lie: one such pass often leaves few candidates."""
         p = tl.arange(0, NUM_PROBES).to(tl.int64)
-        width = hi - lo
-        probes64 = lo + ((p + 1) * width + NUM_PROBES - 1) // NUM_PROBES  # in (lo, hi], the last one is hi
+        if VALUE_PROBES:
+            delta = tl.exp2((NUM_PROBES - 1 - p).to(tl.float32) * 0.5 - 3.0)
+            probes64 = tl.minimum(tl.maximum(_order_key_tl(m - delta).to(tl.int64), lo + 1), hi)
+        else:
+            width = hi - lo
+            probes64 = lo + ((p + 1) * width + NUM_PROBES - 1) // NUM_PROBES  # the last one is hi
         probes = probes64.to(tl.int32)
         counts = tl.zeros([NUM_PROBES], tl.int32)
         masses = tl.zeros([NUM_PROBES], tl.float32)
@@ -117,11 +126,16 @@ if HAS_TRITON:
         """Raises lo (cond(lo) true, lo_count entries at or above it) toward the largest key with cond: returns
         (lo, mass at or above lo, count at or above lo). Either lo is that key, or at most CAP entries are at or
         above lo and the search stopped early (the gather finishes it exactly)."""
+        if (lo < hi) & (lo_count > CAP):
+            lo, hi, new_mass, new_count, moved = _search_pass_tl(row_ptr, vocab, temperature, m, lo, hi, top_k,
+                                                                 target, USE_MASS, True, SEARCH_BLOCK, NUM_PROBES)
+            lo_mass = tl.where(moved, new_mass, lo_mass)
+            lo_count = tl.where(moved, new_count, lo_count)
         passes = 0
         # A finite row converges in at most 8 passes of 16 probes; 40 bounds rows of NaN.
         while (lo < hi) & (lo_count > CAP) & (passes < 40):
             lo, hi, new_mass, new_count, moved = _search_pass_tl(row_ptr, vocab, temperature, m, lo, hi, top_k,
-                                                                 target, USE_MASS, SEARCH_BLOCK, NUM_PROBES)
+                                                                 target, USE_MASS, False, SEARCH_BLOCK, NUM_PROBES)
             lo_mass = tl.where(moved, new_mass, lo_mass)
             lo_count = tl.where(moved, new_count, lo_count)
             passes += 1
