@@ -6,16 +6,21 @@ mass S and the argmax, and recompute a probability exp(z - m) / S where they nee
 
 Row statistics (`_row_stats_tl`). Pass 1 streams the row once: the argmax of x, the max of z and an online sum of
 exp(z - m) (the mass S when no filter is active). With a filter active, the thresholds are found by a search over
-the order keys of z (float32 bits mapped to int32 so that integer order is float order, -0.0 with +0.0): each
-search pass evaluates NUM_PROBES candidate thresholds in the current key interval at once (the count and the mass
-of the entries at or above each), keeps the sub-interval where the condition flips, and shrinks it to the
-smallest and largest entry keys inside it. top-k's threshold is the largest key t with count(>= t) >= top_k, top-p's
-the largest t >= tau_k with mass(>= t) >= top_p * mass(>= tau_k); both are entry keys, so ties at the cut-off are
-kept, as the contract says. A search takes at most ceil(32 / log2(NUM_PROBES)) passes, usually fewer (the shrink);
-min-p needs none (its test is e >= min_p). A last pass sums S over the kept set.
+the order keys of z (float32 bits mapped to int32 so that integer order is float order, -0.0 with +0.0). top-k's
+threshold is the largest key t with count(>= t) >= top_k, top-p's the largest t >= tau_k with mass(>= t) >=
+top_p * mass(>= tau_k); both are entry keys, so ties at the cut-off are kept, as the contract says. A search pass
+evaluates NUM_PROBES candidate thresholds at once (the count and the mass of the entries at or above each), keeps
+the sub-interval where the condition flips and shrinks it to the smallest and largest entry keys inside it. The
+first pass of a search puts its probes at z = m - delta (delta geometric, 2**-3 to 2**4.5), where thresholds of
+real logits lie; later passes split the key interval evenly (at most 8 passes of 16 probes for 32-bit keys). A
+search stops as soon as at most CAP (1024) entries are at or above its lower bound: one more pass copies their z
+to a per-row scratch, and the exact thresholds and the kept mass come from sorting them in registers (tl.sort,
+tl.cumsum), with no further pass. So top-k + top-p on typical logits costs pass 1, one probe pass and the gather;
+a kept set larger than CAP (top-p over a flat distribution) takes the full search and a last pass that sums S.
+min-p needs no search (its test is e >= min_p).
 
 rejection_sample_logits is two launches: `_row_stats_kernel`, one program per row of the target (k+1 per request)
-and of the draft logits (k more when given), writes the statistics to a float32 [B, rows, 4] buffer; then
+and of the draft logits (k more when given), writes the statistics to an int32 [B, rows, 4] buffer (floats as their bits); then
 `_verify_kernel`, one program per request, evaluates the accept tests at all k positions (p(x) and q(x) from the
 statistics and one logit each), block verification's residual masses when asked (a pass over row i for the i it
 needs, from k-1 down to the first that may stop), and the segmented race of specdec_ops/sampling.py over the one
@@ -34,7 +39,7 @@ from .._triton import HAS_TRITON, tl, triton
 from ..ops.logits_sampling import check_draft_inputs, check_rejection_inputs
 
 # Rows are streamed in blocks of BLOCK_V entries (segments of 4 for the race); the threshold search compares
-# SEARCH_BLOCK entries with NUM_PROBES thresholds per step.
+# SEARCH_BLOCK entries with NUM_PROBES thresholds per step. Not tuned on a GPU yet.
 _BLOCK_V = 1024
 _SEARCH_BLOCK = 256
 _NUM_PROBES = 16
