@@ -71,7 +71,10 @@ def run_trials(target, draft_logits, params, *, seed, block, draft_mode="probs",
     tokens = [specdec_ops.sample_draft_filtered(draft_logits[step][None].expand(TRIALS, -1), t, top_k, top_p, min_p,
                                                 seeds, offsets + step, probs=q[:, step]) for step in range(k)]
     draft = torch.stack(tokens, dim=1)
-    kwargs = dict(draft_probs=q) if draft_mode == "probs" else dict(draft_logits=draft_logits[None].expand(TRIALS, -1, -1))
+    if draft_mode == "probs":
+        kwargs = dict(draft_probs=q)
+    else:
+        kwargs = dict(draft_logits=draft_logits[None].expand(TRIALS, -1, -1))
     if verifier_q is not None:
         kwargs = dict(draft_probs=verifier_q[None].expand(TRIALS, -1, -1))
     return specdec_ops.rejection_sample_logits(target[None].expand(TRIALS, -1, -1), draft, t, top_k, top_p, min_p,

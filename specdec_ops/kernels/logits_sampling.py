@@ -20,12 +20,13 @@ a kept set larger than CAP (top-p over a flat distribution) takes the full searc
 min-p needs no search (its test is e >= min_p).
 
 rejection_sample_logits is two launches: `_row_stats_kernel`, one program per row of the target (k+1 per request)
-and of the draft logits (k more when given), writes the statistics to an int32 [B, rows, 4] buffer (floats as their bits); then
-`_verify_kernel`, one program per request, evaluates the accept tests at all k positions (p(x) and q(x) from the
-statistics and one logit each), block verification's residual masses when asked (a pass over row i for the i it
-needs, from k-1 down to the first that may stop), and the segmented race of specdec_ops/sampling.py over the one
-rejected/bonus row, then writes the output row, the logprobs and the counters. sample_draft_filtered is one
-program per row: the statistics, then the Gumbel race over the kept entries and the probabilities.
+and of the draft logits (k more when given), writes the statistics to an int32 [B, rows, 4] buffer (floats as
+their bits); then `_verify_kernel`, one program per request, evaluates the accept tests at all k positions (p(x)
+and q(x) from the statistics and one logit each), block verification's residual masses when asked (a pass over
+row i for the i it needs, from k-1 down to the first that may stop), and the segmented race of
+specdec_ops/sampling.py over the one rejected/bonus row, then writes the output row, the logprobs and the
+counters. sample_draft_filtered is one program per row: the statistics, then the Gumbel race over the kept
+entries and the probabilities.
 
 On CUDA, exp and log come from the GPU's libraries and the sums are float32 in this kernel's order, so results
 equal the reference except at near-ties (the contract's "Float rounding").

@@ -99,7 +99,8 @@ import torch
 from .._checks import INT_DTYPES, check_counters, check_size, check_tensor
 from .._library import register_fake
 from ..output import create_output_reference
-from ..sampling import ACCEPT, BONUS, DRAFT, RESIDUAL, _segment_race, exponential_from_bits, random_bits, uniform_from_bits
+from ..sampling import (ACCEPT, BONUS, DRAFT, RESIDUAL, _segment_race, exponential_from_bits, random_bits,
+                        uniform_from_bits)
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -252,7 +253,12 @@ class Processed:
 
 
 def processed_distribution(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
-    """float32 [..., V]: the processed distribution of logits [B, V] or [B, R, V] (parameters [B])."""
+    """The processed distribution (module docstring) in plain PyTorch, float32 with the shape of logits.
+
+    Args:
+        logits: [B, V] or [B, R, V] float32/bfloat16/float16 (R rows per request share its parameters).
+        temperature, top_p, min_p: [B] float32. top_k: [B] int32/int64.
+    """
     squeeze = logits.dim() == 2
     probs = Processed(logits[:, None] if squeeze else logits, temperature, top_k, top_p, min_p).probs
     return probs[:, 0] if squeeze else probs
@@ -274,7 +280,10 @@ def rejection_sample_logits_reference(
     counters: torch.Tensor | None = None,
     return_logprobs: bool = False,
 ):
-    """Plain PyTorch statement of the contract: materializes p, q and every position's race."""
+    """Plain PyTorch statement of the contract: materializes p, q and every position's race.
+
+    Arguments, shapes, dtypes and returns as `rejection_sample_logits`.
+    """
     batch, k = draft_token_ids.shape
     vocab = target_logits.shape[-1]
     target = Processed(target_logits, temperature, top_k, top_p, min_p)
@@ -338,7 +347,7 @@ def rejection_sample_logits_reference(
 
 def sample_draft_filtered_reference(logits, temperature, top_k, top_p, min_p, seeds, positions,
                                     probs: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain PyTorch statement of the contract (writes ``probs`` when given)."""
+    """Plain PyTorch statement of the contract (writes ``probs`` when given); arguments as `sample_draft_filtered`."""
     d = Processed(logits[:, None], temperature, top_k, top_p, min_p)
     vocab = logits.shape[-1]
     bits = random_bits(seeds[:, None], positions[:, None], DRAFT, torch.arange(vocab, device=logits.device))
