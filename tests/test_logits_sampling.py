@@ -631,3 +631,19 @@ def test_cuda_graph_replay_with_new_seeds_and_parameters():
         assert torch.equal(counters.cpu(), expected_counters)
     with sync_forbidden():  # the eager launchers never sync either
         step()
+
+
+def test_mutating_overloads_bump_versions():
+    """counters and probs are Tensor(a!): their version counters move, as for aten's in-place ops (csrc/ops.cpp)."""
+    args = make_case(5, 3, 2, 11)
+    op = torch.ops.specdec.rejection_sample_logits
+    for overload in (op.counted, op.logprobs_counted):
+        stats = torch.zeros(3, dtype=torch.int64)
+        before = stats._version
+        overload(*args, False, stats)
+        assert stats._version == before + 1 and int(stats[2]) == 6
+    draft_args = make_draft_case(5, 3, 11)
+    probs = torch.zeros(3, 11)
+    before = probs._version
+    torch.ops.specdec.sample_draft_filtered.with_probs(*draft_args, probs)
+    assert probs._version == before + 1
