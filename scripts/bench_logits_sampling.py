@@ -98,6 +98,16 @@ def bench(batch, vocab, dtype, filters, device, replays):
         q_torch = torch_processed(draft_logits, temperature, top_k, top_p, filtered)
         return specdec_ops.rejection_sample(p, draft, q_torch, seeds, offsets, counters=counters)
 
+    if batch <= 16 and vocab <= 32000:  # spot check against the reference (CPU) before timing
+        for name, kwargs in (("logits", dict(draft_logits=draft_logits)), ("probs", dict(draft_probs=q)),
+                             ("block", dict(draft_logits=draft_logits, block_verification=True))):
+            got = specdec_ops.rejection_sample_logits(target, draft, *params, seeds, offsets, **kwargs)
+            cpu = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+            expected = specdec_ops.rejection_sample_logits_reference(
+                target.cpu(), draft.cpu(), *(t.cpu() for t in params), seeds.cpu(), offsets.cpu(), **cpu)
+            if not torch.equal(got.cpu(), expected):
+                print(f"note: {name} B={batch} V={vocab} {dtype} {filters}: differs from the reference in "
+                      f"{int((got.cpu() != expected).any(1).sum())} of {batch} rows (a near-tie, or a bug)")
     torch_us = time_us(pipeline, device, replays)
     rows = []
     for name, (fn, floor_bytes) in calls.items():

@@ -647,3 +647,15 @@ def test_mutating_overloads_bump_versions():
     before = probs._version
     torch.ops.specdec.sample_draft_filtered.with_probs(*draft_args, probs)
     assert probs._version == before + 1
+
+
+def test_device_mismatch_is_a_clear_error():
+    """Every tensor must be on target_logits' device (a meta tensor stands in for another device here)."""
+    for name in ("draft_token_ids", "draft_logits", "temperature", "top_k", "seeds"):
+        args = good_args()
+        args[name] = args[name].to("meta")
+        with pytest.raises(ValueError, match=f"argument '{name}' is on meta, expected cpu"):
+            contract.check_rejection_inputs(*args.values())
+    logits, *rest = make_draft_case(2, 4, 12)
+    with pytest.raises(ValueError, match="argument 'min_p' is on meta"):
+        contract.check_draft_inputs(logits, rest[0], rest[1], rest[2], rest[3].to("meta"), *rest[4:])

@@ -137,7 +137,7 @@ if HAS_TRITON:
                                                                  target, USE_MASS, True, SEARCH_BLOCK, NUM_PROBES)
             lo_mass = tl.where(moved, new_mass, lo_mass)
             lo_count = tl.where(moved, new_count, lo_count)
-        passes = 0
+        passes = tl.zeros([], tl.int32)
         # A finite row converges in at most 8 passes of 16 probes; 40 bounds rows of NaN.
         while (lo < hi) & (lo_count > CAP) & (passes < 40):
             lo, hi, new_mass, new_count, moved = _search_pass_tl(row_ptr, vocab, temperature, m, lo, hi, top_k,
