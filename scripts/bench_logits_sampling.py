@@ -14,7 +14,7 @@ On CUDA the time is GPU microseconds per call from replays of a CUDA graph of 10
 counts its float32 q). On CPU (``--device cpu``) the time is host wall-clock per call, smaller sizes, for a smoke
 run of the script itself; the floor column is then omitted.
 
-    python scripts/bench_logits_sampling.py [--quick] [--device cuda|cpu]
+    python scripts/bench_logits_sampling.py [--quick] [--device cuda|cpu] [--geometry BLOCK_V=2048,NUM_WARPS=16]
 """
 from __future__ import annotations
 
@@ -130,7 +130,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and replays (smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--geometry", default="", help="override kernel constants, e.g. "
+                        "'BLOCK_V=2048,NUM_WARPS=16,NUM_PROBES=16,GATHER_CAP=1024,SEARCH_BLOCK=256'")
     args = parser.parse_args()
+    from specdec_ops.kernels import logits_sampling as kernels
+
+    for item in filter(None, args.geometry.split(",")):
+        name, value = item.split("=")
+        if not hasattr(kernels, f"_{name}"):
+            parser.error(f"--geometry: no constant _{name} in specdec_ops/kernels/logits_sampling.py")
+        setattr(kernels, f"_{name}", int(value))
+    geometry = {n: getattr(kernels, f"_{n}") for n in ("BLOCK_V", "NUM_WARPS", "SEARCH_BLOCK", "NUM_PROBES",
+                                                       "GATHER_CAP")}
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("no CUDA device; run with --device cpu for a smoke run")
@@ -140,7 +151,7 @@ def main() -> int:
         replays = 5 if args.quick else 20
         print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
               f"{__import__('triton').__version__} | k = {K} | GPU us per call from CUDA-graph replays; x floor = "
-              f"time / (inputs read once at {PEAK_BYTES_PER_S / 1e12:.1f} TB/s)\n")
+              f"time / (inputs read once at {PEAK_BYTES_PER_S / 1e12:.1f} TB/s) | geometry {geometry}\n")
     else:
         batches = [1, 4] if args.quick else [1, 16]
         vocabs = [2000] if args.quick else [32000]
