@@ -351,9 +351,15 @@ def test_batch_invariance_and_fresh_draws(kernel):
     assert not torch.equal(kernel(tuple(moved), False), alone)
 
 
-def test_non_finite_rows_stay_in_range():
-    """NaN, +inf and all -inf rows: tokens unspecified but in [0, V); the other rows as the reference."""
+@pytest.mark.parametrize("params", ["off", "filters"])
+def test_non_finite_rows_stay_in_range(params):
+    """NaN, +inf and all -inf rows: tokens unspecified but in [0, V), with the searches bounded; the other rows as
+    the reference."""
     args = list(make_case(51, 6, 2, 40, draft="logits", params="off"))
+    if params == "filters":
+        args[5] = torch.tensor([3, 0, 5, 2, 0, 7])
+        args[6] = torch.tensor([0.5, 0.8, 1.0, 0.9, 0.3, 0.7])
+        args[7] = torch.tensor([0.0, 0.1, 0.0, 0.05, 0.0, 0.0])
     target = args[0].clone()
     target[0] = float("nan")
     target[1, :, 3] = float("inf")
