@@ -90,6 +90,31 @@ TORCH_LIBRARY(specdec, m) {
       "typical_acceptance.counted(Tensor target_probs, Tensor draft_token_ids, float posterior_threshold, "
       "float posterior_alpha, Tensor(a!) counters) -> Tensor");
 
+  // Verification and draft sampling from logits with temperature, top-k, top-p, min-p
+  // (specdec_ops/ops/logits_sampling.py).
+  m.def(
+      "rejection_sample_logits(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
+      "Tensor? draft_logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
+      "Tensor offsets, bool block_verification=False) -> Tensor");
+  m.def(
+      "rejection_sample_logits.counted(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
+      "Tensor? draft_logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
+      "Tensor offsets, bool block_verification, Tensor(a!) counters) -> Tensor");
+  m.def(
+      "rejection_sample_logits.logprobs(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
+      "Tensor? draft_logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
+      "Tensor offsets, bool block_verification=False) -> (Tensor, Tensor)");
+  m.def(
+      "rejection_sample_logits.logprobs_counted(Tensor target_logits, Tensor draft_token_ids, "
+      "Tensor? draft_probs, Tensor? draft_logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
+      "Tensor seeds, Tensor offsets, bool block_verification, Tensor(a!) counters) -> (Tensor, Tensor)");
+  m.def(
+      "sample_draft_filtered(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
+      "Tensor seeds, Tensor positions) -> Tensor");
+  m.def(
+      "sample_draft_filtered.with_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
+      "Tensor min_p, Tensor seeds, Tensor positions, Tensor(a!) probs) -> Tensor");
+
   // One decode step of the draft loop (specdec_ops/ops/draft_step.py).
   m.def(
       "advance_draft_step(Tensor sampled_token_ids, Tensor positions, Tensor seq_lens, int max_model_len) "
@@ -123,7 +148,9 @@ void bump_mutated_versions(const c10::OperatorHandle& op, c10::DispatchKeySet ke
 
 TORCH_LIBRARY_IMPL(specdec, ADInplaceOrView, m) {
   for (const char* name : {"prepare_prefill_into", "create_output.counted", "rejection_sample.counted",
-                           "sample_draft.with_probs", "greedy_verify.counted", "typical_acceptance.counted"}) {
+                           "sample_draft.with_probs", "greedy_verify.counted", "typical_acceptance.counted",
+                           "rejection_sample_logits.counted", "rejection_sample_logits.logprobs_counted",
+                           "sample_draft_filtered.with_probs"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&bump_mutated_versions>());
   }
 }

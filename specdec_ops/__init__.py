@@ -15,6 +15,14 @@ from . import strict as _strict
 from .strict import strict_mode, strict_mode_enabled
 from .ops.verify import greedy_verify, greedy_verify_reference, typical_acceptance, typical_acceptance_reference
 from .runtime import BlockPool, DraftProposer, ProposerConfig
+from .ops.logits_sampling import (
+    check_sampling_params,
+    processed_distribution,
+    rejection_sample_logits,
+    rejection_sample_logits_reference,
+    sample_draft_filtered,
+    sample_draft_filtered_reference,
+)
 
 if HAS_TRITON:
     from . import kernels  # noqa: F401  (registers the CUDA kernels)
@@ -31,6 +39,12 @@ __all__ = [
     "prepare_prefill",
     "prepare_prefill_into",
     "prepare_prefill_reference",
+    "check_sampling_params",
+    "processed_distribution",
+    "rejection_sample_logits",
+    "rejection_sample_logits_reference",
+    "sample_draft_filtered",
+    "sample_draft_filtered_reference",
     "rejection_sample",
     "rejection_sample_reference",
     "sample_draft",

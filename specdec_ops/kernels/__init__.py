@@ -6,7 +6,7 @@ per op, the CUDA kernel of all its overloads. Shared pieces: constants.py (named
 (storing the [B, k+1] row), ticket.py (electing the last program of a row), scratch.py (the zeroed scratch those
 tickets live in), launch.py (Python and C++ launch paths, and the rule for which an op uses).
 """
-from . import draft_step, output, prefill, sampling, verify  # noqa: F401  (registers the CUDA kernels)
+from . import draft_step, logits_sampling, output, prefill, sampling, verify  # noqa: F401  (registers the CUDA kernels)
 from .launch import register_provider
 
 register_provider()

@@ -1,0 +1,171 @@
+"""Benchmark of rejection_sample_logits (verification from logits with sampling parameters).
+
+For k = 4, V in 32000 and 128256, B in 1, 16, 64, 256, target logits in bfloat16 and float32, filters off
+(temperature 1) and on (temperature 0.8, top-k 50, top-p 0.9): time per call of
+
+- ``logits``: rejection_sample_logits with draft_logits (the draft's logits in the target's dtype);
+- ``probs``: rejection_sample_logits with draft_probs (float32 q, as sample_draft_filtered writes it);
+- ``block``: the ``logits`` call with block verification;
+- ``torch``: the plain-PyTorch pipeline on the same inputs: temperature, sort-based top-k/top-p and softmax over
+  the target and draft logits (writing [B, k+1, V] and [B, k, V] probabilities), then specdec_ops.rejection_sample.
+
+On CUDA the time is GPU microseconds per call from replays of a CUDA graph of 100 calls (scripts/_timing.py), and
+"x floor" is the time over the read floor: the target and draft inputs read once at 4.3 TB/s (the ``probs`` row
+counts its float32 q). On CPU (``--device cpu``) the time is host wall-clock per call, smaller sizes, for a smoke
+run of the script itself; the floor column is then omitted.
+
+    python scripts/bench_logits_sampling.py [--quick] [--device cuda|cpu] [--geometry BLOCK_V=2048,NUM_WARPS=16]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+import specdec_ops
+
+K = 4
+PEAK_BYTES_PER_S = 4.3e12
+FILTERS = {"off": (1.0, 0, 1.0, 0.0), "top-k+top-p": (0.8, 50, 0.9, 0.0)}
+
+
+def make_inputs(batch, vocab, dtype, filters, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(batch * 7 + vocab + seed)
+    target = torch.randn(batch, K + 1, vocab, generator=gen, device=device) * 3
+    draft_logits = target[:, :K] + torch.randn(batch, K, vocab, generator=gen, device=device)
+    t, top_k, top_p, min_p = FILTERS[filters]
+    params = (torch.full((batch,), t, device=device), torch.full((batch,), top_k, device=device, dtype=torch.int32),
+              torch.full((batch,), top_p, device=device), torch.full((batch,), min_p, device=device))
+    q = torch.empty(batch, K, vocab, device=device)
+    seeds = torch.randint(0, 2**62, (batch,), generator=gen, device=device)
+    offsets = torch.randint(0, 2**40, (batch,), generator=gen, device=device)
+    draft_logits = draft_logits.to(dtype).contiguous()
+    tokens = [specdec_ops.sample_draft_filtered(draft_logits[:, s], *params, seeds, offsets + s, probs=q[:, s])
+              for s in range(K)]
+    return target.to(dtype), torch.stack(tokens, 1), draft_logits, q, params, seeds, offsets
+
+
+def torch_processed(logits, temperature, top_k, top_p, filtered: bool):
+    """The usual engine pipeline: temperature, then sort-based top-k and top-p masks, then softmax."""
+    z = logits.float() / temperature[:, None, None]
+    if filtered:
+        sorted_z, order = z.sort(-1, descending=True)
+        sorted_p = sorted_z.softmax(-1)
+        past_p = (sorted_p.cumsum(-1) - sorted_p) > top_p[:, None, None]
+        rank = torch.arange(z.shape[-1], device=z.device)
+        past_k = (rank >= top_k[:, None, None]) & (top_k[:, None, None] > 0)
+        z = torch.empty_like(z).scatter_(-1, order, sorted_z.masked_fill(past_p | past_k, float("-inf")))
+    return z.softmax(-1)
+
+
+def time_us(fn, device, replays):
+    if device == "cuda":
+        from _timing import graph_us  # noqa: E402  (scripts/ is on sys.path when run as a script)
+
+        return graph_us(fn, replays)
+    fn()
+    samples = []
+    for _ in range(replays):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def bench(batch, vocab, dtype, filters, device, replays):
+    target, draft, draft_logits, q, params, seeds, offsets = make_inputs(batch, vocab, dtype, filters, device)
+    temperature, top_k, top_p, min_p = params
+    counters = torch.zeros(3, dtype=torch.int64, device=device)
+    elem = target.element_size()
+    calls = {
+        "logits": (lambda: specdec_ops.rejection_sample_logits(
+            target, draft, *params, seeds, offsets, draft_logits=draft_logits, counters=counters),
+            (2 * K + 1) * batch * vocab * elem),
+        "probs": (lambda: specdec_ops.rejection_sample_logits(
+            target, draft, *params, seeds, offsets, draft_probs=q, counters=counters),
+            (K + 1) * batch * vocab * elem + K * batch * vocab * 4),
+        "block": (lambda: specdec_ops.rejection_sample_logits(
+            target, draft, *params, seeds, offsets, draft_logits=draft_logits, block_verification=True,
+            counters=counters), (2 * K + 1) * batch * vocab * elem),
+    }
+    filtered = filters != "off"
+
+    def pipeline():
+        p = torch_processed(target, temperature, top_k, top_p, filtered)
+        q_torch = torch_processed(draft_logits, temperature, top_k, top_p, filtered)
+        return specdec_ops.rejection_sample(p, draft, q_torch, seeds, offsets, counters=counters)
+
+    if batch <= 16 and vocab <= 32000:  # spot check against the reference (CPU) before timing
+        for name, kwargs in (("logits", dict(draft_logits=draft_logits)), ("probs", dict(draft_probs=q)),
+                             ("block", dict(draft_logits=draft_logits, block_verification=True))):
+            got = specdec_ops.rejection_sample_logits(target, draft, *params, seeds, offsets, **kwargs)
+            cpu = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+            expected = specdec_ops.rejection_sample_logits_reference(
+                target.cpu(), draft.cpu(), *(t.cpu() for t in params), seeds.cpu(), offsets.cpu(), **cpu)
+            if not torch.equal(got.cpu(), expected):
+                print(f"note: {name} B={batch} V={vocab} {dtype} {filters}: differs from the reference in "
+                      f"{int((got.cpu() != expected).any(1).sum())} of {batch} rows (a near-tie, or a bug)")
+    torch_us = time_us(pipeline, device, replays)
+    rows = []
+    for name, (fn, floor_bytes) in calls.items():
+        us = time_us(fn, device, replays)
+        rows.append((name, str(dtype).replace("torch.", ""), filters, batch, vocab, us, floor_bytes,
+                     torch_us if name == "logits" else None))
+    return rows
+
+
+def print_table(rows, device):
+    print("| op | dtype | filters | B | V | us/call | x floor | torch pipeline us | speedup |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for name, dtype, filters, batch, vocab, us, floor_bytes, torch_us in rows:
+        floor = f"{us / (floor_bytes / PEAK_BYTES_PER_S * 1e6):.2f}" if device == "cuda" else "-"
+        torch_cols = f"{torch_us:.1f} | {torch_us / us:.1f}x" if torch_us is not None else "- | -"
+        print(f"| {name} | {dtype} | {filters} | {batch} | {vocab} | {us:.2f} | {floor} | {torch_cols} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and replays (smoke run)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--geometry", default="", help="override kernel constants, e.g. "
+                        "'BLOCK_V=2048,NUM_WARPS=16,NUM_PROBES=16,GATHER_CAP=1024,SEARCH_BLOCK=256'")
+    args = parser.parse_args()
+    from specdec_ops.kernels import logits_sampling as kernels
+
+    for item in filter(None, args.geometry.split(",")):
+        name, value = item.split("=")
+        if not hasattr(kernels, f"_{name}"):
+            parser.error(f"--geometry: no constant _{name} in specdec_ops/kernels/logits_sampling.py")
+        setattr(kernels, f"_{name}", int(value))
+    geometry = {n: getattr(kernels, f"_{n}") for n in ("BLOCK_V", "NUM_WARPS", "SEARCH_BLOCK", "NUM_PROBES",
+                                                       "GATHER_CAP")}
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("no CUDA device; run with --device cpu for a smoke run")
+            return 1
+        batches = [1, 64] if args.quick else [1, 16, 64, 256]
+        vocabs = [32000] if args.quick else [32000, 128256]
+        replays = 5 if args.quick else 20
+        print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
+              f"{__import__('triton').__version__} | k = {K} | GPU us per call from CUDA-graph replays; x floor = "
+              f"time / (inputs read once at {PEAK_BYTES_PER_S / 1e12:.1f} TB/s) | geometry {geometry}\n")
+    else:
+        batches = [1, 4] if args.quick else [1, 16]
+        vocabs = [2000] if args.quick else [32000]
+        replays = 3
+        print(f"# CPU smoke run | torch {torch.__version__} | k = {K} | host wall-clock us per call\n")
+    rows = []
+    for vocab in vocabs:
+        for dtype in (torch.bfloat16, torch.float32):
+            for filters in FILTERS:
+                for batch in batches:
+                    rows.extend(bench(batch, vocab, dtype, filters, args.device, replays))
+    print_table(rows, args.device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

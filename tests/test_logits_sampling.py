@@ -1,0 +1,685 @@
+"""specdec::rejection_sample_logits and specdec::sample_draft_filtered: semantics, kernels vs reference, validation,
+opcheck, compile, CUDA graphs.
+
+The distribution tests (chi-square, block verification's accepted length) are in test_logits_sampling_stats.py.
+"""
+import math
+
+import pytest
+import torch
+
+import specdec_ops
+from specdec_ops.kernels import logits_sampling as kernels
+from specdec_ops.ops import logits_sampling as contract
+from specdec_ops._triton import HAS_TRITON
+
+from conftest import HAS_CUDA, sync_forbidden
+
+NEG_INF = float("-inf")
+
+
+# --- inputs --------------------------------------------------------------------------------------------------
+
+
+def make_params(batch, kind, vocab, gen):
+    """(temperature, top_k, top_p, min_p) [B]: 'mixed' draws every filter on and off across rows (greedy included)."""
+    if kind == "off":
+        return (torch.rand(batch, generator=gen) + 0.5, torch.zeros(batch, dtype=torch.int64), torch.ones(batch),
+                torch.zeros(batch))
+    if kind == "greedy":
+        return (torch.zeros(batch), torch.randint(0, vocab, (batch,), generator=gen), torch.rand(batch, generator=gen),
+                torch.rand(batch, generator=gen) * 0.2)
+    temperature = torch.rand(batch, generator=gen) * 1.5 + 0.3
+    temperature[torch.rand(batch, generator=gen) < 0.2] = 0.0
+    top_k = torch.randint(1, vocab + 1, (batch,), generator=gen)
+    top_k[torch.rand(batch, generator=gen) < 0.4] = 0
+    top_p = torch.rand(batch, generator=gen) * 0.9 + 0.05
+    top_p[torch.rand(batch, generator=gen) < 0.4] = 1.0
+    min_p = torch.rand(batch, generator=gen) * 0.3
+    min_p[torch.rand(batch, generator=gen) < 0.5] = 0.0
+    return temperature, top_k, top_p, min_p
+
+
+def make_case(seed, batch, k, vocab, *, params="mixed", draft="logits", dtype=torch.float32, ties=True,
+              masked=True, token_dtype=torch.int64):
+    """Target and draft logits with repeated values and -inf entries; drafts drawn from the processed q (with some
+    invalid ids). Returns the op's positional arguments (without block_verification)."""
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.randn(batch, k + 1, vocab, generator=gen) * 2.5
+    if ties:  # logits on a coarse grid: many exact ties, at the top-k / top-p cut-off too
+        target = torch.round(target * 2) / 2
+    if masked:
+        target[torch.rand(batch, k + 1, vocab, generator=gen) < 0.15] = NEG_INF
+        target[..., 0] = torch.where(torch.isinf(target[..., 0]), 0.0, target[..., 0])  # never an all -inf row
+    draft_logits = target[:, :k] + torch.randn(batch, k, vocab, generator=gen)
+    draft_logits = torch.where(torch.isinf(target[:, :k]), target[:, :k], draft_logits)
+    temperature, top_k, top_p, min_p = make_params(batch, params, vocab, gen)
+    q = contract.processed_distribution(draft_logits, temperature, top_k, top_p, min_p)
+    draft_ids = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(batch, k)
+    bad = torch.rand(batch, k, generator=gen) < 0.08
+    draft_ids = torch.where(bad, torch.tensor([-1, vocab, 10**9])[torch.randint(0, 3, (batch, k), generator=gen)],
+                            draft_ids)
+    seeds = torch.randint(-2**62, 2**62, (batch,), generator=gen)
+    offsets = torch.randint(0, 2**40, (batch,), generator=gen)
+    draft_probs = q.to(dtype) if draft == "probs" else None
+    draft_logits = draft_logits.to(dtype) if draft == "logits" else None
+    return (target.to(dtype), draft_ids.to(token_dtype), draft_probs, draft_logits, temperature, top_k, top_p, min_p,
+            seeds, offsets)
+
+
+def reference(args, block, counters=None, logprobs=False):
+    target, ids, dp, dl, temperature, top_k, top_p, min_p, seeds, offsets = args
+    return specdec_ops.rejection_sample_logits_reference(
+        target, ids, temperature, top_k, top_p, min_p, seeds, offsets, draft_probs=dp, draft_logits=dl,
+        block_verification=block, counters=counters, return_logprobs=logprobs)
+
+
+def run_cpp(args, block, counters=None, logprobs=False, **_):
+    target, ids, dp, dl, temperature, top_k, top_p, min_p, seeds, offsets = args
+    return specdec_ops.rejection_sample_logits(target, ids, temperature, top_k, top_p, min_p, seeds, offsets,
+                                               draft_probs=dp, draft_logits=dl, block_verification=block,
+                                               counters=counters, return_logprobs=logprobs)
+
+
+def run_triton(args, block, counters=None, logprobs=False, block_v=None):
+    """The Triton kernels: through the op on CUDA, through the launcher under the interpreter (or a forced block)."""
+    if HAS_CUDA:
+        cuda_args = [None if a is None else a.cuda() for a in args]
+        cuda_counters = None if counters is None else counters.cuda()
+        if block_v is None:
+            result = run_cpp(cuda_args, block, cuda_counters, logprobs)
+        else:
+            contract.check_rejection_inputs(*cuda_args, cuda_counters)
+            result = kernels._launch_rejection(*cuda_args, block, cuda_counters, logprobs, block_v=block_v)
+            result = result if logprobs else result[0]
+        if counters is not None:
+            counters.copy_(cuda_counters.cpu())
+        return tuple(r.cpu() for r in result) if logprobs else result.cpu()
+    contract.check_rejection_inputs(*args, counters)
+    out, lp = kernels._launch_rejection(*args, block, counters, logprobs, block_v=block_v)
+    return (out, lp) if logprobs else out
+
+
+KERNELS = [pytest.param(run_cpp, id="cpp")]
+if HAS_TRITON:
+    KERNELS.append(pytest.param(run_triton, id="triton"))
+
+LOGPROB_TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def check_against_reference(kernel, args, block, **kwargs):
+    """Every overload of the kernel equals the reference: tokens and counters exactly, logprobs within 2e-5."""
+    expected_counters = torch.tensor([5, 6, 7])
+    expected, expected_lp = reference(args, block, expected_counters, logprobs=True)
+    counters = torch.tensor([5, 6, 7])
+    got, got_lp = kernel(args, block, counters, logprobs=True, **kwargs)
+    assert got.dtype == args[1].dtype and got_lp.dtype == torch.float32
+    assert torch.equal(got, expected), (got, expected)
+    assert torch.equal(counters, expected_counters)
+    torch.testing.assert_close(got_lp, expected_lp, **LOGPROB_TOL)
+    if kernel is run_cpp:  # the other overloads (the Triton launcher shares one path for all four)
+        assert torch.equal(kernel(args, block, **kwargs), expected)
+        counters = torch.tensor([5, 6, 7])
+        assert torch.equal(kernel(args, block, counters, **kwargs), expected)
+        assert torch.equal(counters, expected_counters)
+        out, lp = kernel(args, block, logprobs=True, **kwargs)
+        assert torch.equal(out, expected)
+        torch.testing.assert_close(lp, expected_lp, **LOGPROB_TOL)
+    return expected, expected_lp
+
+
+def skip_bf16_in_interpreter(kernel, dtype):
+    if dtype == torch.bfloat16 and kernel is run_triton and not HAS_CUDA:
+        pytest.skip("no bfloat16 in the Triton interpreter")
+
+
+# --- the processed distribution, stated independently -----------------------------------------------------------
+
+
+def naive_processed(x, temperature, top_k, top_p, min_p):
+    """One row in Python floats/float64, by the contract's steps, to check the vectorized reference against."""
+    x = x.float()
+    vocab = x.numel()
+    if not temperature > 0:
+        out = torch.zeros(vocab)
+        out[int(x.argmax())] = 1
+        return out
+    z = x / temperature
+    e = torch.exp(z - z.max())
+    values = sorted(set(z.tolist()), reverse=True)
+    tau = values[-1]
+    if 0 < top_k < vocab:
+        count = 0
+        for value in values:  # the k-th largest, counting repeats
+            count += int((z == value).sum())
+            if count >= top_k:
+                tau = value
+                break
+    if top_p < 1:
+        mass_k = float(e[z >= tau].double().sum())
+        for value in values:
+            if float(e[z >= value].double().sum()) >= top_p * mass_k:
+                tau = max(tau, value)
+                break
+    keep = (z >= tau) & (e >= (min(min_p, 1.0) if min_p > 0 else 0.0))
+    return torch.where(keep, e / e[keep].double().sum().float(), 0.0)
+
+
+def test_processed_distribution_by_hand():
+    x = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, NEG_INF]])
+    one = torch.ones(1)
+
+    def kept(top_k=0, top_p=1.0, min_p=0.0, temperature=1.0):
+        probs = specdec_ops.processed_distribution(x, one * temperature, torch.tensor([top_k]),
+                                                   torch.tensor([top_p]), torch.tensor([min_p]))
+        assert torch.allclose(probs.sum(-1), torch.ones(1))
+        return (probs[0] > 0).nonzero()[:, 0].tolist()
+
+    assert kept() == [0, 1, 2, 3, 4]  # -inf has probability 0 with every filter off
+    assert kept(top_k=1) == [0]
+    assert kept(top_k=2) == [0, 1, 2, 3]  # every token tied with the 2nd largest stays
+    assert kept(top_k=4) == [0, 1, 2, 3]
+    assert kept(top_k=6) == kept(top_k=0) == kept(top_k=-3) == [0, 1, 2, 3, 4]
+    e = torch.exp(x[0] - 3)
+    head = float(e[0] / e[:5].sum())
+    assert kept(top_p=head * 0.999) == [0]
+    assert kept(top_p=head * 1.001) == [0, 1, 2, 3]  # the tied block enters whole
+    assert kept(top_p=1e-9) == kept(top_p=0.0) == kept(top_p=-1.0) == [0]
+    assert kept(top_p=float("nan")) == [0, 1, 2, 3, 4]
+    assert kept(min_p=float(e[1]) * 0.999) == [0, 1, 2, 3]  # p >= min_p * p_max
+    assert kept(min_p=0.999) == kept(min_p=5.0) == [0]
+    # top-p applies to the top-k distribution: 0.46 lies between token 0's share of all the mass and its share of
+    # the top-k mass (token 4 is out of the top 2).
+    assert head < 0.46 < float(e[0] / e[:4].sum())
+    assert kept(top_k=2, top_p=0.46) == [0] and kept(top_p=0.46) == [0, 1, 2, 3]
+    # A greedy row is one-hot at the first argmax whatever the filters say.
+    probs = specdec_ops.processed_distribution(torch.tensor([[1.0, 5.0, 5.0]]), torch.zeros(1), torch.tensor([3]),
+                                               torch.tensor([0.1]), torch.tensor([0.9]))
+    assert probs.tolist() == [[0.0, 1.0, 0.0]]
+
+
+def test_processed_distribution_matches_naive_statement():
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        vocab = int(torch.randint(1, 30, (1,), generator=gen))
+        x = torch.round(torch.randn(vocab, generator=gen) * 4) / 2
+        x[torch.rand(vocab, generator=gen) < 0.1] = NEG_INF
+        x[0] = 1.0
+        temperature = float(torch.rand(1, generator=gen)) + 0.2 if trial % 7 else 0.0
+        top_k = int(torch.randint(-1, vocab + 2, (1,), generator=gen))
+        top_p = float(torch.rand(1, generator=gen)) * 1.2 - 0.1
+        min_p = float(torch.rand(1, generator=gen)) * 0.5 * (trial % 2)
+        got = specdec_ops.processed_distribution(x[None], torch.tensor([temperature]), torch.tensor([top_k]),
+                                                 torch.tensor([top_p]), torch.tensor([min_p]))[0]
+        expected = naive_processed(x, temperature, top_k, top_p, min_p)
+        assert torch.equal(got > 0, expected > 0), (x, temperature, top_k, top_p, min_p)
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_filters_off_is_softmax_and_matches_the_probability_ops():
+    """With every filter off: the processed distribution is softmax(x / T); sample_draft_filtered equals
+    sample_draft; rejection_sample_logits with draft_probs equals rejection_sample on softmax(target / T)."""
+    args = make_case(3, 12, 3, 90, params="off", draft="probs", ties=False)
+    target, ids, dp, _, temperature, top_k, top_p, min_p, seeds, offsets = args
+    p = torch.softmax(target / temperature[:, None, None], -1)
+    torch.testing.assert_close(specdec_ops.processed_distribution(target, temperature, top_k, top_p, min_p), p,
+                               rtol=1e-5, atol=1e-7)
+    expected = specdec_ops.rejection_sample(p, ids, dp, seeds, offsets)
+    assert torch.equal(run_cpp(args, False), expected)
+    logits = target[:, 0].contiguous()
+    probs, plain_probs = torch.empty_like(logits), torch.empty_like(logits)
+    tokens = specdec_ops.sample_draft_filtered(logits, temperature, top_k, top_p, min_p, seeds, offsets, probs=probs)
+    assert torch.equal(tokens, specdec_ops.sample_draft(logits, temperature, seeds, offsets, probs=plain_probs))
+    torch.testing.assert_close(probs, plain_probs, rtol=1e-5, atol=1e-7)
+
+
+def test_greedy_rows_are_greedy_verification():
+    for block in (False, True):
+        args = make_case(4, 16, 4, 40, params="greedy", draft="logits")
+        target, ids = args[0], args[1]
+        # Half the drafts are the argmax, so rows accept several tokens.
+        ids = torch.where(torch.rand(ids.shape, generator=torch.Generator().manual_seed(1)) < 0.7,
+                          target[:, :4].argmax(-1), ids)
+        args = (target, ids, *args[2:])
+        out, lp = run_cpp(args, block, logprobs=True)
+        assert torch.equal(out, specdec_ops.greedy_verify(target, ids))
+        assert (out[:, 1:] != -1).any()
+        assert torch.equal(lp, torch.zeros_like(lp))  # one-hot: log 1 (and 0 where the output is -1)
+
+
+# --- kernels against the reference -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("block", [False, True], ids=["tokenwise", "block"])
+@pytest.mark.parametrize("draft", ["logits", "probs", "none"])
+def test_matches_reference_mixed_batch(kernel, block, draft):
+    """Mixed greedy and filtered rows, ties, -inf entries, invalid draft ids; V not a multiple of the block."""
+    batch, vocab = (10, 37) if kernel is run_cpp or HAS_CUDA else (6, 37)
+    args = make_case(100 + 7 * block + len(draft), batch, 3, vocab, draft=draft)
+    out, _ = check_against_reference(kernel, args, block)
+    assert ((out >= -1) & (out < vocab)).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_logits(kernel, dtype):
+    skip_bf16_in_interpreter(kernel, dtype)
+    args = make_case(8, 5, 2, 50, draft="logits", dtype=dtype, token_dtype=torch.int32)
+    check_against_reference(kernel, args, False)
+
+
+EDGES = {
+    # name: (temperature, top_k, top_p, min_p) for every row
+    "top_k_1": (1.0, 1, 1.0, 0.0),
+    "top_k_V": (0.8, "V", 1.0, 0.0),
+    "top_p_tiny": (1.2, 0, 1e-7, 0.0),
+    "top_p_1": (1.0, 0, 1.0, 0.0),
+    "min_p_near_1": (1.0, 0, 1.0, 0.999),
+    "all_filters": (0.7, 5, 0.6, 0.05),
+    "all_greedy": (0.0, 3, 0.5, 0.1),
+}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("name", list(EDGES))
+def test_edge_parameters(kernel, name):
+    """Each edge alone over a batch; block verification on odd cases; ties and -inf entries throughout."""
+    batch, k, vocab = 5, 2, 45
+    args = list(make_case(200 + len(name), batch, k, vocab, draft="logits"))
+    temperature, top_k, top_p, min_p = EDGES[name]
+    args[4] = torch.full((batch,), temperature)
+    args[5] = torch.full((batch,), vocab if top_k == "V" else top_k, dtype=torch.int32)
+    args[6] = torch.full((batch,), top_p)
+    args[7] = torch.full((batch,), min_p)
+    out, lp = check_against_reference(kernel, tuple(args), block=len(name) % 2 == 1)
+    if name in ("top_k_1", "top_p_tiny", "min_p_near_1"):
+        # Only the tokens tied with the row max are kept; each coarse-grid row may have a few.
+        probs = specdec_ops.processed_distribution(args[0], *args[4:8])
+        assert ((probs > 0) == (args[0] == args[0].amax(-1, keepdim=True))).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_ties_at_the_cut_off(kernel):
+    """Rows built so that the k-th largest and the top-p boundary fall inside runs of equal logits."""
+    vocab, k = 24, 2
+    row = torch.tensor([4.0] * 2 + [3.0] * 5 + [2.0] * 7 + [0.0] * 10)
+    target = torch.stack([row[torch.randperm(vocab, generator=torch.Generator().manual_seed(s))]
+                          for s in range(3 * (k + 1))]).reshape(3, k + 1, vocab)
+    ids = target[:, :k].argmin(-1)  # tokens outside the kept set: rejected
+    args = (target, ids, None, None, torch.ones(3), torch.tensor([3, 8, 0]), torch.tensor([1.0, 1.0, 0.5]),
+            torch.zeros(3), torch.tensor([1, 2, 3]), torch.tensor([0, 10, 20]))
+    out, _ = check_against_reference(kernel, args, False)
+    probs = specdec_ops.processed_distribution(target, *args[4:8])
+    assert ((probs[0] > 0).sum(-1) == 7).all() and ((probs[1] > 0).sum(-1) == 14).all()
+    assert ((probs[2] > 0).sum(-1) == 7).all()  # 2 * e^4 / mass < 0.5 <= (2 e^4 + 5 e^3) / mass
+    assert (out[:, 0] != -1).all() and (probs.gather(2, out[:, :1, None].clamp(min=0)) > 0).all()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("block", [False, True])
+def test_triton_multi_block_rows(block):
+    """Rows spanning many blocks (block_v 16, V = 150): the online max, the search and the race across blocks."""
+    args = make_case(31 + block, 4, 3, 150, draft="logits")
+    check_against_reference(run_triton, args, block, block_v=16)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_gather_cap_of_the_gpu():
+    """The CUDA configuration's cap (1024 candidates sorted in registers) on CPU tensors: every row of V = 40 is
+    finished by the gather at once, top-k, top-p and min-p alike (the interpreter's default cap of 32 makes most
+    test rows search first)."""
+    args = make_case(23, 1, 1, 40, draft="logits")
+    args = (*args[:4], torch.ones(1), torch.tensor([6]), torch.tensor([0.9]), torch.tensor([0.05]), *args[8:])
+    expected, expected_lp = reference(args, False, logprobs=True)
+    if HAS_CUDA:
+        return  # the CUDA tests run this cap through the op
+    out, lp = kernels._launch_rejection(*args, False, None, True, gather_cap=kernels._GATHER_CAP)
+    assert torch.equal(out, expected)
+    torch.testing.assert_close(lp, expected_lp, **LOGPROB_TOL)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_batch_invariance_and_fresh_draws(kernel):
+    args = make_case(41, 6, 2, 30, draft="probs")
+    alone = kernel(args, False)
+    for row in (0, 3, 5):
+        one = tuple(None if a is None else a[row:row + 1] for a in args)
+        assert torch.equal(kernel(one, False), alone[row:row + 1])
+    moved = list(args)
+    moved[9] = args[9] + 1000  # new offsets: new draws
+    assert not torch.equal(kernel(tuple(moved), False), alone)
+
+
+@pytest.mark.parametrize("params", ["off", "filters"])
+def test_non_finite_rows_stay_in_range(params):
+    """NaN, +inf and all -inf rows: tokens unspecified but in [0, V), with the searches bounded; the other rows as
+    the reference."""
+    args = list(make_case(51, 6, 2, 40, draft="logits", params="off"))
+    if params == "filters":
+        args[5] = torch.tensor([3, 0, 5, 2, 0, 7])
+        args[6] = torch.tensor([0.5, 0.8, 1.0, 0.9, 0.3, 0.7])
+        args[7] = torch.tensor([0.0, 0.1, 0.0, 0.05, 0.0, 0.0])
+    target = args[0].clone()
+    target[0] = float("nan")
+    target[1, :, 3] = float("inf")
+    target[2] = NEG_INF
+    args[0] = target
+    for kernel in [run_cpp] + ([run_triton] if HAS_TRITON else []):
+        for block in (False, True):
+            out = kernel(tuple(args), block)
+            for row in out:
+                emitted = int((row != -1).sum())
+                assert emitted >= 1 and (row[emitted:] == -1).all()
+                assert ((row[:emitted] >= 0) & (row[:emitted] < 40)).all(), row
+            expected = reference(tuple(args), block)
+            assert torch.equal(out[3:], expected[3:])
+
+
+# --- sample_draft_filtered ---------------------------------------------------------------------------------------
+
+
+def draft_cpp(args, probs=None, **_):
+    return specdec_ops.sample_draft_filtered(*args, probs=probs)
+
+
+def draft_triton(args, probs=None, block_v=None):
+    if HAS_CUDA:
+        cuda_probs = None if probs is None else torch.empty_like(probs, device="cuda")
+        out = kernels._launch_draft(*(a.cuda() for a in args), cuda_probs, block_v=block_v).cpu()
+        if probs is not None:
+            probs.copy_(cuda_probs.cpu())
+        return out
+    contract.check_draft_inputs(*args, probs)
+    return kernels._launch_draft(*args, probs, block_v=block_v)
+
+
+DRAFT_KERNELS = [pytest.param(draft_cpp, id="cpp")]
+if HAS_TRITON:
+    DRAFT_KERNELS.append(pytest.param(draft_triton, id="triton"))
+
+
+def make_draft_case(seed, rows, vocab, params="mixed", dtype=torch.float32):
+    args = make_case(seed, rows, 1, vocab, params=params)
+    return (args[0][:, 0].contiguous().to(dtype), *args[4:10])
+
+
+@pytest.mark.parametrize("kernel", DRAFT_KERNELS)
+@pytest.mark.parametrize("params", ["mixed", "greedy", "off"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_sample_draft_filtered_matches_reference(kernel, params, dtype):
+    skip_bf16_in_interpreter(kernel if kernel is draft_cpp else run_triton, dtype)
+    args = make_draft_case(61 + len(params), 12, 70, params, dtype)
+    expected_probs = torch.empty(12, 70)
+    expected = specdec_ops.sample_draft_filtered_reference(*args, probs=expected_probs)
+    assert torch.equal(kernel(args), expected)
+    probs = torch.full((12, 70), -1.0)
+    assert torch.equal(kernel(args, probs, block_v=16), expected)
+    torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-7)
+    assert (expected_probs.gather(1, expected[:, None]) > 0).all()  # the token is in the kept set
+
+
+def test_sample_draft_filtered_writes_a_strided_column():
+    args = make_draft_case(71, 5, 33)
+    buf = torch.full((5, 3, 33), 7.0)
+    expected_probs = torch.empty(5, 33)
+    expected = specdec_ops.sample_draft_filtered_reference(*args, probs=expected_probs)
+    assert torch.equal(specdec_ops.sample_draft_filtered(*args, probs=buf[:, 1, :]), expected)
+    torch.testing.assert_close(buf[:, 1], expected_probs)
+    assert (buf[:, 0] == 7).all() and (buf[:, 2] == 7).all()
+
+
+# --- validation ----------------------------------------------------------------------------------------------
+
+
+def good_args():
+    names = ["target_logits", "draft_token_ids", "draft_probs", "draft_logits", "temperature", "top_k", "top_p",
+             "min_p", "seeds", "offsets"]
+    return dict(zip(names, make_case(1, 2, 3, 10, draft="logits")))
+
+
+BAD = [
+    ("target_logits", lambda a: a["target_logits"].double(), "must have dtype"),
+    ("target_logits", lambda a: a["target_logits"][0], "must be 3-D"),
+    ("target_logits", lambda a: a["target_logits"][:, :1], "k\\+1 >= 2"),
+    ("target_logits", lambda a: a["target_logits"].transpose(1, 2).contiguous().transpose(1, 2), "unit stride"),
+    ("draft_token_ids", lambda a: a["draft_token_ids"].float(), "must have dtype"),
+    ("draft_token_ids", lambda a: a["draft_token_ids"][:, :2], "size 2 in dimension 1"),
+    ("draft_logits", lambda a: a["draft_logits"][..., :9], "size 9 in dimension 2"),
+    ("draft_logits", lambda a: a["draft_logits"].long(), "must have dtype"),
+    ("temperature", lambda a: a["temperature"].double(), "must have dtype float32"),
+    ("temperature", lambda a: a["temperature"][:1], "size 1 in dimension 0"),
+    ("top_k", lambda a: a["top_k"].float(), "must have dtype int32 or int64"),
+    ("top_p", lambda a: a["top_p"][:, None], "must be 1-D"),
+    ("min_p", lambda a: a["min_p"].half(), "must have dtype float32"),
+    ("seeds", lambda a: a["seeds"].int(), "must have dtype int64"),
+    ("offsets", lambda a: a["offsets"][:1], "size 1 in dimension 0"),
+]
+
+
+def call_op(args, counters=None):
+    values = list(args.values())
+    if counters is None:
+        return torch.ops.specdec.rejection_sample_logits(*values, False)
+    return torch.ops.specdec.rejection_sample_logits.counted(*values, True, counters)
+
+
+@pytest.mark.parametrize("name,mutate,message", BAD)
+def test_bad_inputs_raise_clear_errors(name, mutate, message):
+    args = good_args()
+    args[name] = mutate(args)
+    pattern = f"rejection_sample_logits: argument '{name}'.*{message}"
+    with pytest.raises(ValueError, match=pattern):  # eager, C++ kernel
+        call_op(args)
+    with pytest.raises(ValueError, match=pattern):  # fake kernel (trace time)
+        with torch._subclasses.FakeTensorMode() as mode:
+            call_op({n: None if t is None else mode.from_tensor(t) for n, t in args.items()})
+    if HAS_TRITON:
+        with pytest.raises(ValueError, match=pattern):  # the CUDA launcher validates too
+            kernels._rejection_triton(*args.values())
+
+
+def test_both_draft_distributions_is_an_error():
+    args = good_args()
+    args["draft_probs"] = torch.softmax(args["draft_logits"], -1)
+    with pytest.raises(ValueError, match="at most one of 'draft_probs' and 'draft_logits'"):
+        call_op(args)
+    with pytest.raises(ValueError, match="at most one of 'draft_probs' and 'draft_logits'"):
+        kernels._rejection_triton(*args.values())
+
+
+def test_bad_counters_and_draft_inputs():
+    with pytest.raises(ValueError, match="argument 'counters'.*dtype"):
+        call_op(good_args(), torch.zeros(3, dtype=torch.int32))
+    logits, *rest = make_draft_case(2, 4, 12)
+    with pytest.raises(ValueError, match="sample_draft_filtered.with_probs: argument 'probs'.*size 5 in dimension 1"):
+        specdec_ops.sample_draft_filtered(logits, *rest, probs=torch.empty(4, 5))
+    with pytest.raises(ValueError, match="sample_draft_filtered: argument 'top_k'.*int32 or int64"):
+        specdec_ops.sample_draft_filtered(logits, rest[0], rest[1].float(), *rest[2:])
+    if HAS_TRITON:
+        with pytest.raises(ValueError, match="sample_draft_filtered: argument 'positions'.*size 3"):
+            kernels._draft_triton(logits, *rest[:-1], rest[-1][:3])
+
+
+def test_check_sampling_params():
+    ok = (torch.tensor([0.0, 1.0]), torch.tensor([0, 5]), torch.tensor([1.0, 0.5]), torch.tensor([0.0, 0.2]))
+    specdec_ops.check_sampling_params(*ok, vocab=10)
+    for index, bad, message in ((1, torch.tensor([-1, 0]), "top_k"), (1, torch.tensor([0, 11]), "top_k"),
+                                (2, torch.tensor([0.0, 1.0]), "top_p"), (2, torch.tensor([1.5, 1.0]), "top_p"),
+                                (3, torch.tensor([-0.1, 0.0]), "min_p"), (0, torch.tensor([math.nan, 1.0]),
+                                                                          "temperature")):
+        params = list(ok)
+        params[index] = bad
+        with pytest.raises(ValueError, match=message):
+            specdec_ops.check_sampling_params(*params, vocab=10)
+
+
+# --- opcheck and torch.compile -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft", ["logits", "probs", "none"])
+def test_opcheck_every_overload(draft):
+    args = make_case(2, 3, 2, 16, draft=draft)
+    op = torch.ops.specdec.rejection_sample_logits
+    torch.library.opcheck(op.default, (*args, False))
+    torch.library.opcheck(op.counted, (*args, True, torch.zeros(3, dtype=torch.int64)))
+    torch.library.opcheck(op.logprobs, (*args, True))
+    torch.library.opcheck(op.logprobs_counted, (*args, False, torch.zeros(3, dtype=torch.int64)))
+
+
+def test_opcheck_sample_draft_filtered():
+    args = make_draft_case(3, 4, 16)
+    torch.library.opcheck(torch.ops.specdec.sample_draft_filtered.default, args)
+    torch.library.opcheck(torch.ops.specdec.sample_draft_filtered.with_probs, (*args, torch.empty(4, 16)))
+    buf = torch.zeros(4, 3, 16)
+    torch.library.opcheck(torch.ops.specdec.sample_draft_filtered.with_probs, (*args, buf[:, 1, :]))
+
+
+def draft_then_verify(draft_logits, target_logits, temperature, top_k, top_p, min_p, seeds, positions, counters,
+                      block):
+    """Draft k tokens with the filters (each step writes its q column), then verify them from the target logits."""
+    batch, k, vocab = draft_logits.shape
+    q = torch.empty(batch, k, vocab, device=draft_logits.device)
+    tokens = [specdec_ops.sample_draft_filtered(draft_logits[:, step], temperature, top_k, top_p, min_p, seeds,
+                                                positions + step, probs=q[:, step, :]) for step in range(k)]
+    draft = torch.stack(tokens, dim=1)
+    out, logprobs = specdec_ops.rejection_sample_logits(
+        target_logits, draft, temperature, top_k, top_p, min_p, seeds, positions, draft_probs=q,
+        block_verification=block, counters=counters, return_logprobs=True)
+    return out, logprobs, q
+
+
+def test_compile_fullgraph_equals_eager():
+    target, _, _, draft_logits, temperature, top_k, top_p, min_p, seeds, offsets = make_case(9, 5, 3, 30)
+    draft_logits = draft_logits.contiguous()
+    for block in (False, True):
+        eager_counters, compiled_counters = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+        eager = draft_then_verify(draft_logits, target, temperature, top_k, top_p, min_p, seeds, offsets,
+                                  eager_counters, block)
+        compiled = torch.compile(draft_then_verify, fullgraph=True)(
+            draft_logits, target, temperature, top_k, top_p, min_p, seeds, offsets, compiled_counters, block)
+        assert torch.equal(compiled[0], eager[0])
+        torch.testing.assert_close(compiled[1], eager[1])
+        assert torch.equal(compiled[2], eager[2])
+        assert torch.equal(compiled_counters, eager_counters) and int(eager_counters[2]) == 15
+
+
+# --- CUDA --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("draft", ["logits", "probs", "none"])
+@pytest.mark.parametrize("batch,vocab", [(1, 32000), (7, 129), (16, 128256)])
+def test_cuda_matches_reference(draft, batch, vocab):
+    for block in (False, True):
+        # Logits on a coarse grid: cumulative masses step in large tied blocks, so float32 sums on the GPU and
+        # float64 ones in the reference do not straddle a top-p boundary (see the contract's "Float rounding").
+        args = make_case(batch + vocab, batch, 4, vocab, draft=draft)
+        check_against_reference(run_triton, args, block)
+
+
+@pytest.mark.cuda
+def test_cuda_sample_draft_filtered_matches_reference():
+    for dtype in (torch.float32, torch.bfloat16):
+        args = make_draft_case(8, 16, 32000, dtype=dtype)
+        expected_probs = torch.empty(16, 32000)
+        expected = specdec_ops.sample_draft_filtered_reference(*args, probs=expected_probs)
+        probs = torch.empty(16, 32000, device="cuda")
+        got = specdec_ops.sample_draft_filtered(*(a.cuda() for a in args), probs=probs)
+        assert torch.equal(got.cpu(), expected)
+        torch.testing.assert_close(probs.cpu(), expected_probs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replay_with_new_seeds_and_parameters():
+    """One capture of draft + verify (both modes); replays with new seeds, offsets and sampling parameters equal the
+    reference, and nothing in a replay or an eager call syncs."""
+    batch, k, vocab = 16, 4, 32000
+    target, _, _, draft_logits, temperature, top_k, top_p, min_p, seeds, offsets = [
+        None if a is None else a.cuda() for a in make_case(3, batch, k, vocab)]
+    draft_logits = draft_logits.contiguous()
+    counters = torch.zeros(3, dtype=torch.int64, device="cuda")
+
+    def step():
+        return [draft_then_verify(draft_logits, target, temperature, top_k, top_p, min_p, seeds, offsets, counters,
+                                  block) for block in (False, True)]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        results = step()
+    gen = torch.Generator().manual_seed(5)
+    for replay in range(3):
+        new = make_params(batch, "mixed", vocab, gen)
+        for buf, value in zip((temperature, top_k, top_p, min_p), new):
+            buf.copy_(value)
+        seeds.copy_(torch.arange(batch, device="cuda") * 31 + replay)
+        offsets.add_(k + 1)
+        counters.zero_()
+        with sync_forbidden():
+            graph.replay()
+        torch.cuda.synchronize()
+        expected_counters = torch.zeros(3, dtype=torch.int64)
+        for block, (out, logprobs, q) in zip((False, True), results):
+            draft_ids = torch.stack([specdec_ops.sample_draft_filtered_reference(
+                draft_logits[:, s].cpu(), temperature.cpu(), top_k.cpu(), top_p.cpu(), min_p.cpu(), seeds.cpu(),
+                offsets.cpu() + s) for s in range(k)], dim=1)
+            expected, expected_lp = specdec_ops.rejection_sample_logits_reference(
+                target.cpu(), draft_ids, temperature.cpu(), top_k.cpu(), top_p.cpu(), min_p.cpu(), seeds.cpu(),
+                offsets.cpu(), draft_probs=q.cpu(), block_verification=block, counters=expected_counters,
+                return_logprobs=True)
+            assert torch.equal(out.cpu(), expected)
+            torch.testing.assert_close(logprobs.cpu(), expected_lp, rtol=1e-4, atol=1e-4)
+        assert torch.equal(counters.cpu(), expected_counters)
+    with sync_forbidden():  # the eager launchers never sync either
+        step()
+
+
+def test_mutating_overloads_bump_versions():
+    """counters and probs are Tensor(a!): their version counters move, as for aten's in-place ops (csrc/ops.cpp)."""
+    args = make_case(5, 3, 2, 11)
+    op = torch.ops.specdec.rejection_sample_logits
+    for overload in (op.counted, op.logprobs_counted):
+        stats = torch.zeros(3, dtype=torch.int64)
+        before = stats._version
+        overload(*args, False, stats)
+        assert stats._version == before + 1 and int(stats[2]) == 6
+    draft_args = make_draft_case(5, 3, 11)
+    probs = torch.zeros(3, 11)
+    before = probs._version
+    torch.ops.specdec.sample_draft_filtered.with_probs(*draft_args, probs)
+    assert probs._version == before + 1
+
+
+def test_device_mismatch_is_a_clear_error():
+    """Every tensor must be on target_logits' device (a meta tensor stands in for another device here)."""
+    for name in ("draft_token_ids", "draft_logits", "temperature", "top_k", "seeds"):
+        args = good_args()
+        args[name] = args[name].to("meta")
+        with pytest.raises(ValueError, match=f"argument '{name}' is on meta, expected cpu"):
+            contract.check_rejection_inputs(*args.values())
+    logits, *rest = make_draft_case(2, 4, 12)
+    with pytest.raises(ValueError, match="argument 'min_p' is on meta"):
+        contract.check_draft_inputs(logits, rest[0], rest[1], rest[2], rest[3].to("meta"), *rest[4:])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_kernels_compile_for_sm90():
+    """Every kernel variant goes through Triton's real compiler to a cubin for an H100/H200 target, on any machine:
+    the interpreter runs the CPU tests but skips the compiler's type checks (scripts/compile_logits_sampling.py)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py")], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count(": ok (") == 10, result.stdout
