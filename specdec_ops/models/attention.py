@@ -59,6 +59,13 @@ def _check_inputs(q, kv_cache, block_tables, token_rows, positions, seq_lens, bl
     if block_size < 1 or kv_cache.shape[0] % block_size:
         raise ValueError(f"paged_attention: kv_cache slots ({kv_cache.shape[0]}) must be a multiple of "
                          f"block_size ({block_size})")
+    if tokens > 0 and (block_tables.shape[0] == 0 or kv_cache.shape[0] == 0):
+        raise ValueError(f"paged_attention: {tokens} tokens need at least one block_tables row and one cache "
+                         f"block, got block_tables {tuple(block_tables.shape)} and kv_cache {tuple(kv_cache.shape)}")
+    for name, t in (("kv_cache", kv_cache), ("block_tables", block_tables), ("token_rows", token_rows),
+                    ("positions", positions), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"paged_attention: {name} is on {t.device}, expected {q.device} like q")
 
 
 def paged_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -278,7 +285,9 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     q = q.contiguous()
     if kv_cache.stride(3) != 1:
         raise ValueError("paged_attention: kv_cache's last dimension must be contiguous")
-    block_tables = block_tables.contiguous()
+    # The kernel indexes these with unit strides (an expanded or strided view would be read wrongly).
+    block_tables, token_rows = block_tables.contiguous(), token_rows.contiguous()
+    positions, seq_lens = positions.contiguous(), seq_lens.contiguous()
     context_len = block_tables.shape[1] * block_size
     plan = launch_plan(tokens, heads, kv_heads, head_size, context_len, int(uniform_query_len))
     out = torch.empty_like(q)
