@@ -281,10 +281,14 @@ std::tuple<at::Tensor, at::Tensor> rejection_impl(
         for (int64_t i = 1; i <= k; ++i) {
           const float scaled = weight[i - 1] * p_x[i - 1];
           const float ratio = q_x[i - 1] <= scaled ? 1.0f : scaled / q_x[i - 1];
-          weight[i] = p_x[i - 1] == 0.0f ? 0.0f : ratio;
+          // A weight that reached 0 stays 0 (q_{i-1}(x_{i-1}) == 0 would otherwise compare 0 <= 0 and revive it).
+          const bool valid = x[i - 1] >= 0 && x[i - 1] < vocab;
+          const bool dead = weight[i - 1] == 0.0f || p_x[i - 1] == 0.0f || !valid;
+          weight[i] = dead ? 0.0f : ratio;
         }
         stop = u[k - 1] < weight[k] ? k : 0;
         for (int64_t i = k - 1; i >= 1 && stop == 0; --i) {
+          if (!(weight[i] > 0.0f)) continue;  // no stop where the weight is 0 (or NaN)
           double residual = 0.0;
           for (int64_t v = 0; v < vocab; ++v) {
             residual += std::max(weight[i] * p_rows[i].prob(v) - q_prob(i, v), 0.0f);
@@ -322,7 +326,9 @@ std::tuple<at::Tensor, at::Tensor> rejection_impl(
         store_int(out, b * (k + 1) + c, v);
         local_emitted += v != -1;
         if (logprob_data != nullptr) {
-          logprob_data[b * (k + 1) + c] = v == -1 ? 0.0f : p_rows[c].logprob(v);
+          // Emitted ids are in [0, V); clamp anyway so that no input value can read out of bounds.
+          const int64_t safe_v = std::min(std::max<int64_t>(v, 0), vocab - 1);
+          logprob_data[b * (k + 1) + c] = v == -1 ? 0.0f : p_rows[c].logprob(safe_v);
         }
       }
       local_accepted += accepted_here;

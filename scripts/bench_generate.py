@@ -89,11 +89,15 @@ def _damped_modules(layers, keep: int):
     return weights
 
 
+MAX_SCALE = 8.0 ** 5
+
+
 @torch.no_grad()
 def calibrate(weights, measure, alpha: float, steps: int = 8) -> tuple[float, float]:
-    """Scales `weights` (in place) by the s in (0, 8] whose measured acceptance measure() is closest to alpha from
-    above (bisection; acceptance grows as s shrinks: s < 1 damps the later layers, s > 1 strengthens them).
-    Returns (s, its acceptance)."""
+    """Scales `weights` (in place) by the s in (0, MAX_SCALE] whose measured acceptance measure() is closest to
+    alpha from above (bisection; acceptance grows as s shrinks: s < 1 damps the later layers, s > 1 strengthens
+    them). Random later layers can matter so little that s must grow by orders of magnitude: the upper end of the
+    bracket grows by 8x until the acceptance falls below alpha. Returns (s, its acceptance)."""
     originals = [w.clone() for w in weights]
 
     def set_scale(scale):
@@ -102,10 +106,12 @@ def calibrate(weights, measure, alpha: float, steps: int = 8) -> tuple[float, fl
         return measure()
 
     low, high = (1.0, 8.0) if set_scale(1.0) >= alpha else (0.0, 1.0)
+    while high < MAX_SCALE and set_scale(high) >= alpha:
+        low, high = high, high * 8.0
     if set_scale(high) >= alpha:
         return high, set_scale(high)
     for _ in range(steps):
-        mid = (low + high) / 2
+        mid = (low + high) / 2 if low < 1.0 else (low * high) ** 0.5  # geometric above 1
         if set_scale(mid) >= alpha:
             low = mid
         else:

@@ -9,14 +9,19 @@ counterpart: while it is on, each specdec op call first checks its argument valu
   ``sampled_token_ids``) within ``[0, V)``, where V comes from the op's probabilities or logits (ids of
   ``create_output``, which sees no vocabulary, and of ``prepare_prefill`` must be non-negative);
   ``draft_token_ids`` of ``create_output`` may be -1 (no draft);
-- probabilities (``target_probs``, ``draft_probs``) finite, non-negative and each row summing to 1 within
-  ``PROB_SUM_TOLERANCE``;
-- logits free of NaN and +inf (-inf is a masked token);
+- probabilities (``target_probs``, ``draft_probs``, the latter of ``rejection_sample_logits`` too) finite,
+  non-negative and each row summing to 1 within ``PROB_SUM_TOLERANCE``;
+- logits (``logits``, ``target_logits``, ``draft_logits``) free of NaN and +inf (-inf is a masked token);
 - ``query_start_loc`` starting at 0, non-decreasing and at most the token count; ``num_rejected`` within
   ``[0, query_len]`` of each request; ``idx_mapping`` within the request slots (``last_sampled``);
   ``seq_lens`` at least each query's length; positions non-negative;
-- sampling parameters: ``temperature`` finite and >= 0 (0 = greedy); ``posterior_threshold`` and
-  ``posterior_alpha`` finite and >= 0.
+- sampling parameters: ``temperature`` finite and >= 0 (0 = greedy); for ``rejection_sample_logits`` and
+  ``sample_draft_filtered`` also ``top_k`` >= 0 (0 = off), ``top_p`` in (0, 1] (1 = off) and ``min_p`` in
+  [0, 1] (0 = off); ``posterior_threshold`` and ``posterior_alpha`` finite and >= 0.
+
+Ops with checks: prepare_prefill (and prepare_prefill_into), create_output, rejection_sample,
+rejection_sample_logits, sample_draft, sample_draft_filtered, greedy_verify, typical_acceptance,
+advance_draft_step, every overload of each. Any other specdec op runs unchecked in strict mode.
 
 Turn it on with ``with specdec_ops.strict_mode(): ...`` or for a whole program by setting the environment
 variable ``SPECDEC_STRICT=1`` before ``import specdec_ops`` (it then applies to the importing thread).
@@ -98,7 +103,9 @@ def _check_probs(op: str, name: str, probs: torch.Tensor | None) -> None:
               f"probabilities?); row sums", row, _value(sums, row))
 
 
-def _check_logits(op: str, name: str, logits: torch.Tensor) -> None:
+def _check_logits(op: str, name: str, logits: torch.Tensor | None) -> None:
+    if logits is None:
+        return
     x = logits.float()
     _check(op, name, x, torch.isnan(x) | (x == math.inf), "must hold no NaN or +inf logits")
 
@@ -149,12 +156,47 @@ def _rejection_sample(op: str, a: dict[str, Any]) -> None:
     _check_ids(op, "bonus_token_ids", a.get("bonus_token_ids"), vocab)
 
 
-def _sample_draft(op: str, a: dict[str, Any]) -> None:
-    _check_logits(op, "logits", a["logits"])
+def _check_temperature(op: str, a: dict[str, Any]) -> None:
     t = a["temperature"].float()
     _check(op, "temperature", t, ~torch.isfinite(t) | (t < 0), "must be finite and >= 0 (0 = greedy)")
-    positions = a["positions"].long()
-    _check(op, "positions", positions, positions < 0, "must be non-negative")
+
+
+def _check_sampling_params(op: str, a: dict[str, Any]) -> None:
+    # The ranges of ops.logits_sampling.check_sampling_params (whose messages name no op, index or value),
+    # temperature as sample_draft's (NaN and inf refused too).
+    _check_temperature(op, a)
+    top_k = a["top_k"].long()
+    _check(op, "top_k", top_k, top_k < 0, "must be >= 0 (0 = off)")
+    top_p = a["top_p"].float()
+    _check(op, "top_p", top_p, ~((top_p > 0) & (top_p <= 1)), "must lie in (0, 1] (1 = off)")
+    min_p = a["min_p"].float()
+    _check(op, "min_p", min_p, ~((min_p >= 0) & (min_p <= 1)), "must lie in [0, 1] (0 = off)")
+
+
+def _check_positions(op: str, name: str, positions: torch.Tensor) -> None:
+    positions = positions.long()
+    _check(op, name, positions, positions < 0, "must be non-negative")
+
+
+def _sample_draft(op: str, a: dict[str, Any]) -> None:
+    _check_logits(op, "logits", a["logits"])
+    _check_temperature(op, a)
+    _check_positions(op, "positions", a["positions"])
+
+
+def _sample_draft_filtered(op: str, a: dict[str, Any]) -> None:
+    _check_logits(op, "logits", a["logits"])
+    _check_sampling_params(op, a)
+    _check_positions(op, "positions", a["positions"])
+
+
+def _rejection_sample_logits(op: str, a: dict[str, Any]) -> None:
+    vocab = a["target_logits"].shape[-1]
+    _check_logits(op, "target_logits", a["target_logits"])
+    _check_ids(op, "draft_token_ids", a["draft_token_ids"], vocab)
+    _check_probs(op, "draft_probs", a.get("draft_probs"))
+    _check_logits(op, "draft_logits", a.get("draft_logits"))
+    _check_sampling_params(op, a)
 
 
 def _greedy_verify(op: str, a: dict[str, Any]) -> None:
@@ -184,6 +226,8 @@ _CHECKS: dict[str, Callable[[str, dict[str, Any]], None]] = {
     "create_output": _create_output,
     "rejection_sample": _rejection_sample,
     "sample_draft": _sample_draft,
+    "rejection_sample_logits": _rejection_sample_logits,
+    "sample_draft_filtered": _sample_draft_filtered,
     "greedy_verify": _greedy_verify,
     "typical_acceptance": _typical_acceptance,
     "advance_draft_step": _advance_draft_step,
@@ -233,7 +277,9 @@ class StrictMode(TorchFunctionMode):
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"specdec strict mode reads values on the host and cannot run during CUDA-graph "
                                    f"capture ({name}): leave strict mode off while capturing")
-            _CHECKS[name](name, arguments)
+            check = _CHECKS.get(name)  # an op without value checks runs unchecked
+            if check is not None:
+                check(name, arguments)
         return func(*args, **kwargs)
 
 

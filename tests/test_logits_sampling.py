@@ -316,6 +316,84 @@ def test_ties_at_the_cut_off(kernel):
     assert (out[:, 0] != -1).all() and (probs.gather(2, out[:, :1, None].clamp(min=0)) > 0).all()
 
 
+def dead_weight_case(drafts, batch=8, token_dtype=torch.int64, negative_q=False):
+    """The reviewer's repro: V = 8, k = 2, target p_0(3) = 0 (logit -inf) and draft q_1(5) = 0, every row the same
+    drafts with its own seed. Block verification's weight dies at x_0 (p = 0, or an invalid id) and must stay 0:
+    q_1(x_1) = 0 once compared 0 <= 0 and revived it to 1, emitting x_0 (p = 0, or out of the vocabulary) and x_1.
+    negative_q: draft row 1 gets negative entries, so that R_1 > 0 although w_1 = 0 (the w_i > 0 guard)."""
+    vocab, k = 8, 2
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randn(1, k + 1, vocab, generator=gen).expand(batch, -1, -1).clone()
+    target[:, 0, 3] = NEG_INF
+    q = torch.rand(1, k, vocab, generator=gen) + 0.1
+    q[0, 1, 5] = 0.0
+    q = (q / q.sum(-1, keepdim=True)).expand(batch, -1, -1).clone()
+    if negative_q:
+        q[:, 1, :4] = -0.25
+    ids = torch.tensor([drafts], dtype=token_dtype).expand(batch, -1).contiguous()
+    return (target, ids, q, None, torch.ones(batch), torch.zeros(batch, dtype=torch.int64), torch.ones(batch),
+            torch.zeros(batch), torch.arange(batch) * 7919 + 3, torch.arange(batch) * 3)
+
+
+def assert_emits_only_supported_tokens(out, lp, args):
+    """Every emitted token is in [0, V) with a positive processed target probability (a finite logprob)."""
+    probs = specdec_ops.processed_distribution(args[0], *args[4:8])
+    vocab = probs.shape[-1]
+    emitted = out != -1
+    assert ((out >= -1) & (out < vocab)).all(), out
+    p_out = probs.gather(2, out.long().clamp(0, vocab - 1)[..., None])[..., 0]
+    assert (p_out[emitted] > 0).all(), (out, p_out)
+    assert torch.isfinite(lp).all(), lp
+    for row in out:  # the create_output layout: an emitted prefix, then -1
+        count = int((row != -1).sum())
+        assert count >= 1 and (row[count:] == -1).all(), row
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("drafts", [[3, 5], [11, 5], [-1, 5], [1000000, 5], [8, 5], [3, 1000000], [-(2**31), 5]],
+                         ids=lambda d: "_".join(map(str, d)))
+@pytest.mark.parametrize("token_dtype", [torch.int64, torch.int32])
+def test_block_weight_stays_zero_after_a_dead_draft(kernel, drafts, token_dtype):
+    """The repro: no zero-probability or out-of-vocabulary token, no crash (the C++ logprob read of an emitted
+    id 1000000 segfaulted), reference == CPU kernel == Triton, in both modes and every overload."""
+    args = dead_weight_case(drafts, token_dtype=token_dtype)
+    for block in (True, False):
+        out, lp = check_against_reference(kernel, args, block)
+        assert_emits_only_supported_tokens(out, lp, args)
+        if drafts[0] in (3, 11, -1, 1000000, 8, -(2**31)):  # x_0 is dead: never emitted, nor x_1 after it
+            assert (out[:, 1:] == -1).all(), out
+            assert (out[:, 0] != drafts[0]).all(), out
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_block_weight_zero_never_stops_with_negative_draft_probs(kernel):
+    """draft_probs with negative entries (invalid input) give R_1 > 0 where w_1 = 0: the block still may not stop
+    at 1, so the dead x_0 is never emitted."""
+    args = dead_weight_case([3, 5], negative_q=True)
+    out, lp = check_against_reference(kernel, args, True)
+    assert (out[:, 0] != 3).all() and (out[:, 1:] == -1).all(), out
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_block_dead_weights_random(kernel):
+    """Random rows where drafts often have p = 0 (masked target logits, invalid ids) and q = 0 at later drafts:
+    reference == kernel, and only supported tokens are emitted."""
+    batch, k, vocab = (24, 4, 16) if kernel is run_cpp or HAS_CUDA else (8, 4, 16)
+    gen = torch.Generator().manual_seed(77)
+    args = list(make_case(61, batch, k, vocab, draft="probs", params="off"))
+    target, ids, q = args[0].clone(), args[1].clone(), args[2].clone()
+    dead = torch.rand(batch, k, generator=gen) < 0.4
+    rows, cols = dead.nonzero(as_tuple=True)
+    target[rows, cols, ids[rows, cols].clamp(0, vocab - 1)] = NEG_INF
+    zero_q = torch.rand(batch, k, generator=gen) < 0.4
+    rows, cols = zero_q.nonzero(as_tuple=True)
+    q[rows, cols, ids[rows, cols].clamp(0, vocab - 1)] = 0.0
+    q = q / q.sum(-1, keepdim=True)
+    args[0], args[2] = target, q
+    out, lp = check_against_reference(kernel, tuple(args), True)
+    assert_emits_only_supported_tokens(out, lp, args)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("block", [False, True])
 def test_triton_multi_block_rows(block):

@@ -78,7 +78,84 @@ def _cases(device):
             torch.tensor([1, -2, 3], device=device), torch.zeros(B, dtype=torch.int64, device=device),
             torch.ones(B, dtype=torch.int32, device=device), 10), "sampled_token_ids", "-2"),
     ]
-    return cases
+    return cases + _logits_cases(device)
+
+
+def _logits_cases(device):
+    """rejection_sample_logits and sample_draft_filtered: one bad value per checked argument."""
+    seeds = torch.arange(B, device=device)
+    zeros = torch.zeros(B, dtype=torch.int64, device=device)
+
+    def good_params():
+        return dict(temperature=torch.tensor([0.7, 0.0, 1.3], device=device),
+                    top_k=torch.tensor([0, 3, 5], device=device),
+                    top_p=torch.tensor([1.0, 0.5, 0.9], device=device),
+                    min_p=torch.tensor([0.0, 0.1, 1.0], device=device))
+
+    def with_bad(t, index, value):
+        t = t.clone()
+        t[index] = value
+        return t
+
+    gen = torch.Generator().manual_seed(3)
+    target = torch.randn(B, K + 1, V, generator=gen).to(device)
+    draft_logits = torch.randn(B, K, V, generator=gen).to(device)
+    draft_probs = torch.rand(B, K, V, generator=gen).softmax(-1).to(device)
+    ids = torch.randint(0, V, (B, K), generator=gen).to(device)
+    row_logits = torch.randn(B, V, generator=gen).to(device)
+
+    def verify(target_logits=target, draft_token_ids=ids, draft_probs=None, draft_logits=None, block=False,
+               **params):
+        p = good_params()
+        p.update(params)
+        return specdec_ops.rejection_sample_logits(target_logits, draft_token_ids, p["temperature"], p["top_k"],
+                                                   p["top_p"], p["min_p"], seeds, zeros, draft_probs=draft_probs,
+                                                   draft_logits=draft_logits, block_verification=block)
+
+    def draft(logits=row_logits, positions=zeros, probs=None, **params):
+        p = good_params()
+        p.update(params)
+        return specdec_ops.sample_draft_filtered(logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"],
+                                                 seeds, positions, probs)
+
+    def param(name, index, value):
+        return {name: with_bad(good_params()[name], index, value)}
+
+    rs, sd = "rejection_sample_logits", "sample_draft_filtered"
+    nan, inf = float("nan"), float("inf")
+    return [
+        (rs, lambda: verify(target_logits=with_bad(target, (1, 2, 3), nan)), "target_logits", "(1, 2, 3)"),
+        (rs, lambda: verify(target_logits=with_bad(target, (2, 0, 4), inf), block=True), "target_logits",
+         "(2, 0, 4) holds inf"),
+        (rs, lambda: verify(draft_token_ids=with_bad(ids, (0, 3), V)), "draft_token_ids", f"(0, 3) holds {V}"),
+        (rs, lambda: verify(draft_token_ids=with_bad(ids, (2, 1), -1), block=True), "draft_token_ids",
+         "(2, 1) holds -1"),
+        (rs, lambda: verify(draft_probs=with_bad(draft_probs, (1, 1, 1), -0.5)), "draft_probs", "(1, 1, 1)"),
+        (rs, lambda: verify(draft_probs=with_bad(draft_probs, (0, 2, 7), nan)), "draft_probs", "(0, 2, 7)"),
+        (rs, lambda: verify(draft_probs=draft_probs * 2), "draft_probs", "sum to 1"),
+        (rs, lambda: verify(draft_logits=with_bad(draft_logits, (2, 3, 0), nan)), "draft_logits", "(2, 3, 0)"),
+        (rs, lambda: verify(**param("temperature", 2, -0.5)), "temperature", "index 2 holds -0.5"),
+        (rs, lambda: verify(**param("temperature", 0, nan)), "temperature", "index 0 holds nan"),
+        (rs, lambda: verify(**param("temperature", 1, inf)), "temperature", "index 1 holds inf"),
+        (rs, lambda: verify(**param("top_k", 1, -2)), "top_k", "index 1 holds -2"),
+        (rs, lambda: verify(**param("top_p", 2, 0.0)), "top_p", "index 2 holds 0.0"),
+        (rs, lambda: verify(**param("top_p", 0, 1.5)), "top_p", "index 0 holds 1.5"),
+        (rs, lambda: verify(**param("top_p", 1, nan)), "top_p", "index 1 holds nan"),
+        (rs, lambda: verify(**param("min_p", 0, -0.1)), "min_p", "index 0"),
+        (rs, lambda: verify(**param("min_p", 2, 1.5)), "min_p", "index 2 holds 1.5"),
+        (sd, lambda: draft(logits=with_bad(row_logits, (1, 6), nan)), "logits", "(1, 6)"),
+        (sd, lambda: draft(logits=with_bad(row_logits, (0, 2), inf), probs=torch.empty(B, V, device=device)),
+         "logits", "(0, 2) holds inf"),
+        (sd, lambda: draft(**param("temperature", 1, -1.0)), "temperature", "index 1 holds -1.0"),
+        (sd, lambda: draft(**param("temperature", 2, nan)), "temperature", "index 2 holds nan"),
+        (sd, lambda: draft(**param("top_k", 0, -1)), "top_k", "index 0 holds -1"),
+        (sd, lambda: draft(**param("top_p", 1, -0.2)), "top_p", "index 1"),
+        (sd, lambda: draft(**param("top_p", 2, 2.0), probs=torch.empty(B, V, device=device)), "top_p",
+         "index 2 holds 2.0"),
+        (sd, lambda: draft(**param("min_p", 1, nan)), "min_p", "index 1 holds nan"),
+        (sd, lambda: draft(**param("min_p", 0, 1.01)), "min_p", "index 0"),
+        (sd, lambda: draft(positions=torch.tensor([0, -4, 2], device=device)), "positions", "index 1 holds -4"),
+    ]
 
 
 def _prefill_args(device, **bad):
@@ -148,6 +225,56 @@ def test_good_inputs_pass_and_match_the_unchecked_result(device):
         specdec_ops.greedy_verify(target.log(), ids)  # -inf free logits
     assert not specdec_ops.strict_mode_enabled()
     assert torch.equal(expanded.expanded_input_ids, specdec_ops.prepare_prefill(**args).expanded_input_ids)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logits_ops_good_inputs_pass_and_match_the_unchecked_result(device):
+    """rejection_sample_logits (every overload, both modes, each draft distribution) and sample_draft_filtered
+    (both overloads) with valid inputs, the edges of every range included: no error, results as without the mode."""
+    gen = torch.Generator().manual_seed(11)
+    target = torch.randn(B, K + 1, V, generator=gen).to(device)
+    target[0, 1, 2] = float("-inf")  # a masked token is fine
+    draft_logits = torch.randn(B, K, V, generator=gen).to(device)
+    draft_probs = torch.rand(B, K, V, generator=gen).softmax(-1).to(device)
+    ids = torch.randint(0, V, (B, K), generator=gen).to(device)
+    params = (torch.tensor([0.7, 0.0, 1.3], device=device), torch.tensor([0, 3, V + 2], device=device),
+              torch.tensor([1.0, 0.5, 1e-6], device=device), torch.tensor([0.0, 1.0, 0.3], device=device))
+    seeds = torch.arange(B, device=device)
+    offsets = torch.tensor([0, 5, 2**40], device=device)
+
+    def calls():
+        results = []
+        for block in (False, True):
+            for dp, dl in ((None, None), (draft_probs, None), (None, draft_logits)):
+                counters = torch.zeros(3, dtype=torch.int64, device=device)
+                out, lp = specdec_ops.rejection_sample_logits(target, ids, *params, seeds, offsets, draft_probs=dp,
+                                                              draft_logits=dl, block_verification=block,
+                                                              counters=counters, return_logprobs=True)
+                results += [out, lp, counters,
+                            specdec_ops.rejection_sample_logits(target, ids, *params, seeds, offsets,
+                                                                draft_probs=dp, draft_logits=dl,
+                                                                block_verification=block)]
+        probs = torch.empty(B, V, device=device)
+        results += [specdec_ops.sample_draft_filtered(target[:, 0], *params, seeds, offsets),
+                    specdec_ops.sample_draft_filtered(target[:, 0], *params, seeds, offsets, probs), probs]
+        return results
+
+    plain = calls()
+    with strict_mode():
+        checked = calls()
+    for a, b in zip(plain, checked):
+        assert torch.equal(a, b)
+
+
+def test_an_op_without_checks_runs_unchecked(monkeypatch):
+    """An op with no entry in the checks table passes through strict mode (it once raised KeyError)."""
+    from specdec_ops import strict
+
+    monkeypatch.delitem(strict._CHECKS, "greedy_verify")
+    logits, ids = torch.randn(B, K + 1, V), torch.full((B, K), V + 3)
+    with strict_mode():
+        out = specdec_ops.greedy_verify(logits, ids)  # out-of-vocabulary ids: unchecked, so no error
+    assert torch.equal(out, specdec_ops.greedy_verify(logits, ids))
 
 
 def test_strict_mode_refuses_torch_compile():

@@ -373,17 +373,20 @@ def _verify_kernel(
         for s in range(1, k + 1):
             px = _pick_tl(p_x, i, s - 1)
             qx = _pick_tl(q_x, i, s - 1)
+            vx = _pick_tl(valid.to(tl.int32), i, s - 1)
             scaled = w * px
-            ratio = tl.where(qx <= scaled, 1.0, scaled / tl.where(qx > 0, qx, 1.0))
-            w = tl.where(px == 0, 0.0, ratio)
+            # The divisor only matters where qx > scaled >= 0; qx <= 0 is never divided by (NaN stays NaN).
+            ratio = tl.where(qx <= scaled, 1.0, scaled / tl.where(qx <= 0, 1.0, qx))
+            # A weight that reached 0 stays 0 (qx == 0 would otherwise compare 0 <= 0 and revive it).
+            w = tl.where((w == 0) | (px == 0) | (vx == 0), 0.0, ratio)
             weights = tl.where(i == s, w, weights)
         u_last = _pick_tl(u, i, k - 1)
         stop = tl.where(u_last < w, k, 0)
         if ~greedy:
             for s in range(1, k):
                 row = (k - s).to(tl.int64)
-                if stop == 0:
-                    w_row = _pick_tl(weights, i, row)
+                w_row = _pick_tl(weights, i, row)
+                if (stop == 0) & (w_row > 0):  # no stop where the weight is 0 (or NaN)
                     rm = _pick_tl(m, i, row)
                     rtau = _pick_tl(tau, i, row)
                     rmass = _pick_tl(mass, i, row)
@@ -475,7 +478,7 @@ def _verify_kernel(
     tl.store(out_ptr + b * (k + 1) + i, out.to(out_ptr.dtype.element_ty), mask=in_rows)
     if WITH_LOGPROBS:
         emitted = in_rows & (out != -1)
-        safe_out = tl.where(emitted, out, 0)
+        safe_out = tl.minimum(tl.maximum(tl.where(emitted, out, 0), 0), vocab - 1)  # never read out of bounds
         x_out = tl.load(t_row + i64 * t_stride_i + safe_out, mask=emitted, other=0.0).to(tl.float32)
         z_out = x_out / t
         e_out = tl.exp(z_out - m)

@@ -57,16 +57,26 @@ distributions.
 Verification Accelerates Speculative Decoding"), also lossless and, in expectation, accepting at least as many
 tokens. With ``x_i`` the draft tokens and ``u_i`` the same ACCEPT uniforms (position offsets[b] + i):
 
-- weights ``w_0 = 1`` and, for i = 1..k, ``w_i = 0`` if ``p_{i-1}(x_{i-1}) == 0`` (or x_{i-1} is outside [0, V)),
-  else ``1`` if ``q_{i-1}(x_{i-1}) <= w_{i-1} * p_{i-1}(x_{i-1})``, else ``(w_{i-1} * p_{i-1}(x_{i-1})) /
-  q_{i-1}(x_{i-1})`` (float32);
+- weights ``w_0 = 1`` and, for i = 1..k, ``w_i = 0`` if ``w_{i-1} == 0``, or ``p_{i-1}(x_{i-1}) == 0``, or
+  x_{i-1} is outside [0, V); else ``1`` if ``q_{i-1}(x_{i-1}) <= w_{i-1} * p_{i-1}(x_{i-1})``, else
+  ``(w_{i-1} * p_{i-1}(x_{i-1})) / q_{i-1}(x_{i-1})`` (float32). A weight that reached 0 stays 0 (without the first
+  condition a next draft with ``q_{i-1}(x_{i-1}) == 0`` would compare 0 <= 0 and revive it to 1);
 - for i = 1..k-1 the residual mass ``R_i = sum_v max(w_i * p_i(v) - q_i(v), 0)``; the block may stop at i iff
-  ``u_{i-1} * (R_i + (1 - w_i)) < R_i``; it may stop at k iff ``u_{k-1} < w_k``;
+  ``w_i > 0`` and ``u_{i-1} * (R_i + (1 - w_i)) < R_i``; it may stop at k iff ``u_{k-1} < w_k``;
 - tau = the largest i that may stop (0 if none): the first tau draft tokens are accepted, and the token at column
   tau is drawn by the segmented race from ``max(w_tau * p_tau - q_tau, 0)`` (RESIDUAL stream, position
   offsets[b] + tau; p_tau itself if that has no positive key) when tau < k, or from p_k (BONUS stream) when tau = k.
 
-For tau = 0 and w = 1 this is the token-wise residual. Greedy rows are greedy verification in both modes.
+So every accepted draft is an id in [0, V) with ``p_i(x_i) > 0``, and no draft at or after the first invalid id
+(or the first with target probability 0) is ever emitted. With a non-negative q, ``w_i = 0`` gives ``R_i = 0``, so
+the ``w_i > 0`` condition only guards against draft_probs with negative entries. For tau = 0 and w = 1 this is the
+token-wise residual. Greedy rows are greedy verification in both modes.
+
+Random streams and ``offsets``: in token-wise mode advance ``offsets`` per round by (at least) the number of emitted
+tokens, as `specdec_ops.rejection_sample` says. With ``block_verification=True`` advance it by k + 1 per round:
+the stop point tau is the *largest* position that may stop, so the ACCEPT uniforms at positions after tau also
+decided the round (each of them was found not to allow a stop), and reusing them in the next round, as advancing
+by the emitted count tau + 1 would, makes that round depend on this one's outcome and breaks losslessness.
 
 Output: [B, k+1] in the create_output layout (specdec_ops/output.py), dtype of ``draft_token_ids``. The
 ``counted`` overloads add to the int64 ``counters`` [3]: (accepted, emitted, B*k), where accepted counts, as
@@ -77,9 +87,11 @@ distribution of its position, ``(z_t - m) - log(S)`` (0 for greedy rows, whose d
 where the output is -1, so that a row's sum is the log-probability of what it emitted.
 
 Inputs: ``target_logits`` [B, k+1, V] float32/bfloat16/float16; ``draft_token_ids`` [B, k] int32/int64 (k >= 1;
-ids outside [0, V) are rejected, never dereferenced); ``draft_probs`` [B, k, V] float32/bfloat16/float16 or None;
-``draft_logits`` [B, k, V] float32/bfloat16/float16 or None (at most one of the two); ``temperature`` [B] float32;
-``top_k`` [B] int32/int64; ``top_p`` [B] float32; ``min_p`` [B] float32; ``seeds`` and ``offsets`` [B] int64. The
+ids outside [0, V) are rejected: never accepted nor emitted; every id is clamped into [0, V) before any load or
+logprob computation, so that no input value reads out of bounds); ``draft_probs`` [B, k, V]
+float32/bfloat16/float16 or None; ``draft_logits`` [B, k, V] float32/bfloat16/float16 or None (at most one of the
+two); ``temperature`` [B] float32; ``top_k`` [B] int32/int64; ``top_p`` [B] float32; ``min_p`` [B] float32;
+``seeds`` and ``offsets`` [B] int64. The
 [B, ., V] tensors need a unit last stride (any other strides, a batch stride of 0 included); the [B] tensors may
 have any stride. Rows with NaN or +inf logits, or all -inf, give unspecified tokens, always in [0, V).
 
@@ -136,7 +148,12 @@ def rejection_sample_logits(
         top_k: [B] int32/int64; <= 0 or >= V is off.
         top_p: [B] float32; >= 1 (or NaN) is off.
         min_p: [B] float32; <= 0 (or NaN) is off.
-        seeds: [B] int64. offsets: [B] int64, the position of the first draft token (advance per round).
+        seeds: [B] int64.
+        offsets: [B] int64, the position of the first draft token in the random streams. Advance it every round:
+            token-wise, by at least the number of emitted tokens (as rejection_sample); with block_verification,
+            by k + 1, because every ACCEPT uniform u_0..u_{k-1} may take part in choosing the stop point (those
+            after it were found not to stop), so advancing by the emitted count would reuse numbers that already
+            decided a round and break losslessness.
         draft_probs: [B, k, V] float32/bfloat16/float16 or None: the draft's (already processed) distribution.
         draft_logits: [B, k, V] float32/bfloat16/float16 or None: the draft's logits, processed like the target's.
         block_verification: block verification instead of token-wise rejection sampling.
@@ -301,21 +318,24 @@ def rejection_sample_logits_reference(
     positions = offsets[:, None] + torch.arange(k + 1, device=draft.device)
     seeds2 = seeds[:, None]
     p_x = torch.where(valid, p[:, :k].gather(2, safe[..., None])[..., 0], 0.0)
-    q_x = q.gather(2, safe[..., None])[..., 0]
+    q_x = torch.where(valid, q.gather(2, safe[..., None])[..., 0], 0.0)
     u = uniform_from_bits(random_bits(seeds2, positions[:, :k], ACCEPT, 0))
     matches = valid & (draft == target.argmax[:, :k])
 
     weight = torch.ones(batch, k + 1)
     if block_verification:
         for i in range(1, k + 1):
-            scaled = weight[:, i - 1] * p_x[:, i - 1]
+            previous = weight[:, i - 1]
+            scaled = previous * p_x[:, i - 1]
             ratio = torch.where(q_x[:, i - 1] <= scaled, 1.0, scaled / q_x[:, i - 1])
-            weight[:, i] = torch.where(p_x[:, i - 1] == 0, 0.0, ratio)
+            # Once 0, a weight stays 0: q_{i-1}(x_{i-1}) == 0 must not turn 0 <= 0 into a weight of 1.
+            dead = (previous == 0) | (p_x[:, i - 1] == 0) | ~valid[:, i - 1]
+            weight[:, i] = torch.where(dead, 0.0, ratio)
         may_stop = torch.zeros(batch, k + 1, dtype=torch.bool)
         for i in range(1, k):
             residual = torch.clamp(weight[:, i, None] * p[:, i] - q[:, i], min=0)
             mass = residual.double().sum(-1).float()
-            may_stop[:, i] = u[:, i - 1] * (mass + (1 - weight[:, i])) < mass
+            may_stop[:, i] = (weight[:, i] > 0) & (u[:, i - 1] * (mass + (1 - weight[:, i])) < mass)
         may_stop[:, k] = u[:, k - 1] < weight[:, k]
         stop = torch.where(may_stop.any(1), k - may_stop.flip(1).int().argmax(1), 0)  # the last that may stop
         first_mismatch = torch.where((~matches).any(1), (~matches).int().argmax(1), k)
@@ -340,8 +360,8 @@ def rejection_sample_logits_reference(
     if not return_logprobs:
         return out
     emitted = out != -1
-    logprobs = torch.stack([target.logprob(c, torch.where(emitted[:, c], out[:, c].long(), 0)) for c in range(k + 1)],
-                           dim=1)
+    safe_out = torch.where(emitted, out.long(), 0).clamp(0, vocab - 1)  # emitted ids are in [0, V); never read past
+    logprobs = torch.stack([target.logprob(c, safe_out[:, c]) for c in range(k + 1)], dim=1)
     return out, torch.where(emitted, logprobs, 0.0)
 
 
