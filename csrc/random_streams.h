@@ -1,5 +1,5 @@
-// The counter-based random streams and the segmented race of specdec_ops/sampling.py ("Randomness"), for C++
-// kernels other than csrc/sampling.cpp (which keeps its own copy): MurmurHash3_x86_32 of (seed lo, seed hi,
+// The counter-based random streams and the segmented race of specdec_ops/ops/sampling.py ("Randomness"), for every
+// C++ kernel: MurmurHash3_x86_32 of (seed lo, seed hi,
 // position lo, position hi, purpose, index), the uniform and exponential built from the 32 bits, and the race over
 // segments of 4 entries. Every kernel must make these exact float operations in this order.
 #pragma once

@@ -16,53 +16,21 @@
 #include <optional>
 
 #include "checks.h"
+#include "random_streams.h"
 
 namespace specdec {
 namespace {
 
 constexpr const char* kRejection = "rejection_sample";
-constexpr uint32_t kDraft = 1, kAccept = 2, kResidual = 3, kBonus = 4;
-
-// --- the random streams: MurmurHash3_x86_32 of (seed lo, seed hi, pos lo, pos hi, purpose, index)
-
-inline uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
-
-inline uint32_t mix_word(uint32_t h, uint32_t word) {
-  word *= 0xCC9E2D51u;
-  word = rotl32(word, 15);
-  word *= 0x1B873593u;
-  h ^= word;
-  h = rotl32(h, 13);
-  return h * 5u + 0xE6546B64u;
-}
-
-// Hash state after the first five words; a draw then only mixes in its index.
-inline uint32_t row_state(int64_t seed, int64_t position, uint32_t purpose) {
-  const uint64_t s = static_cast<uint64_t>(seed);
-  const uint64_t p = static_cast<uint64_t>(position);
-  uint32_t h = mix_word(0u, static_cast<uint32_t>(s));
-  h = mix_word(h, static_cast<uint32_t>(s >> 32));
-  h = mix_word(h, static_cast<uint32_t>(p));
-  h = mix_word(h, static_cast<uint32_t>(p >> 32));
-  return mix_word(h, purpose);
-}
-
-inline uint32_t draw_bits(uint32_t state, uint32_t index) {
-  uint32_t h = mix_word(state, index) ^ 24u;
-  h ^= h >> 16;
-  h *= 0x85EBCA6Bu;
-  h ^= h >> 13;
-  h *= 0xC2B2AE35u;
-  return h ^ (h >> 16);
-}
-
-inline float uniform(uint32_t bits) { return static_cast<float>(bits >> 8) * 5.960464477539063e-08f; }
-
-inline float exponential(uint32_t bits) {
-  const float w = static_cast<float>(bits) * 2.3283064365386963e-10f + 1.1641532182693481e-10f;
-  if (w < 0.0078125f) return w * (1.0f + w * (0.5f + w * (0.3333333432674408f + w * 0.25f)));
-  return -std::log(1.0f - w);
-}
+// The random streams (MurmurHash3_x86_32 of seed, position, purpose, index) shared with the other C++ kernels.
+using streams::draw_bits;
+using streams::exponential;
+using streams::kAccept;
+using streams::kBonus;
+using streams::kDraft;
+using streams::kResidual;
+using streams::row_state;
+using streams::uniform;
 
 // --- element access ---------------------------------------------------------------------------
 
