@@ -195,7 +195,6 @@ class Generator:
         device: where the models, caches and graphs are.
         compile: torch.compile each round (fullgraph, one graph per padded batch size).
         cuda_graphs: True (default on CUDA): one captured CUDA graph per padded batch size; False: none.
-        progress: called as progress(message) for each padded size during `warm_up`.
     """
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, config: GeneratorConfig, *,
@@ -428,7 +427,7 @@ class Generator:
         """Compiles (and on CUDA captures) the round at every padded size, with no live request.
 
         Rounds with no live row change nothing but the null block and the dump column, so this is safe while
-        requests wait; it must run before requests are live, because a capture runs the round twice.
+        requests wait; it must run before requests are live, because a capture first runs the round twice.
         """
         if self.active.any():
             raise RuntimeError("Generator.warm_up: requests are live; warm up before generating")

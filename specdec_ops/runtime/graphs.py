@@ -82,7 +82,7 @@ class StepGraphs:
         graph.replay()
 
     def capture(self, *sizes: int) -> torch.cuda.CUDAGraph:
-        """Warms the step up at `sizes` on a side stream, then records it (the recorded call also runs it)."""
+        """Runs the step twice at `sizes` on a side stream (compiling it), then records it (recording runs nothing)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
