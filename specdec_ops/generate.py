@@ -149,8 +149,15 @@ class _IdsTokenizer:
 
     eos_token_id = None
 
-    def decode(self, ids):
+    def decode(self, ids, *, skip_special_tokens: bool = False):
         return " ".join(str(i) for i in ids)
+
+
+def _text(tokenizer, token_ids: list[int], eos: int | None) -> str:
+    """The generated text, without a closing EOS token (the token ids keep it)."""
+    if eos is not None and token_ids and token_ids[-1] == eos:
+        token_ids = token_ids[:-1]
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 def build_models(args, dtype: torch.dtype, device: str):
@@ -294,7 +301,7 @@ def main(argv=None) -> int:
     outputs = []
     for index, (text, result) in enumerate(zip(texts, spec_out.requests)):
         entry = dict(prompt=text, prompt_token_ids=list(prompt_ids[index]), token_ids=result.token_ids,
-                     text=tokenizer.decode(result.token_ids), finish_reason=result.finish_reason,
+                     text=_text(tokenizer, result.token_ids, eos), finish_reason=result.finish_reason,
                      num_tokens=len(result.token_ids))
         if plain_out is not None:
             plain = plain_out.requests[index]
