@@ -24,7 +24,7 @@ and of the draft logits (k more when given), writes the statistics to an int32 [
 their bits); then `_verify_kernel`, one program per request, evaluates the accept tests at all k positions (p(x)
 and q(x) from the statistics and one logit each), block verification's residual masses when asked (a pass over
 row i for the i it needs, from k-1 down to the first that may stop), and the segmented race of
-specdec_ops/sampling.py over the one rejected/bonus row, then writes the output row, the logprobs and the
+specdec_ops/ops/sampling.py over the one rejected/bonus row, then writes the output row, the logprobs and the
 counters. sample_draft_filtered is one program per row: the statistics, then the Gumbel race over the kept
 entries and the probabilities.
 

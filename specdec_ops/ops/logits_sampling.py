@@ -78,7 +78,7 @@ the stop point tau is the *largest* position that may stop, so the ACCEPT unifor
 decided the round (each of them was found not to allow a stop), and reusing them in the next round, as advancing
 by the emitted count tau + 1 would, makes that round depend on this one's outcome and breaks losslessness.
 
-Output: [B, k+1] in the create_output layout (specdec_ops/output.py), dtype of ``draft_token_ids``. The
+Output: [B, k+1] in the create_output layout (specdec_ops/ops/output.py), dtype of ``draft_token_ids``. The
 ``counted`` overloads add to the int64 ``counters`` [3]: (accepted, emitted, B*k), where accepted counts, as
 rejection_sample does, the accept decisions at ALL k positions in token-wise mode (greedy rows: the matches), and
 the accepted prefix length tau in block mode (per-position decisions do not exist there). The ``logprobs``

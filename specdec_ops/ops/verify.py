@@ -19,7 +19,7 @@ Accept decisions, at every position i < k, for ``x = draft_token_ids[b, i]``:
 A draft id outside ``[0, V)`` (for example -1 padding) is always rejected and
 is never used to index ``target``.
 
-The output [B, k+1] is `create_output` (specdec_ops/output.py) applied to
+The output [B, k+1] is `create_output` (specdec_ops/ops/output.py) applied to
 those decisions with ``substitute_token_ids[b, i] = argmax_i`` and
 ``bonus_token_ids[b] = argmax_k``: the accepted draft prefix, the target
 argmax at the first rejection, -1 after it, and the argmax of row k in column
