@@ -92,6 +92,36 @@ inline void check_size(const char* op, const char* name, const at::Tensor& t, in
                 t.sizes());
 }
 
+// The CPU int32/int64 [B, k] draft token ids a verifier reads.
+inline void check_draft_ids(const char* op, const at::Tensor& draft) {
+  check_rank(op, "draft_token_ids", draft, 2);
+  check_int_dtype(op, "draft_token_ids", draft);
+  check_cpu(op, "draft_token_ids", draft);
+  check_unit_stride(op, "draft_token_ids", draft);
+}
+
+struct RoundShape {
+  int64_t batch;
+  int64_t k;
+  int64_t vocab;
+};
+
+// (B, k, V) of a rank-3 [B, k+1, V] target tensor, checked (k >= 1, V >= 1), and the draft ids checked against it.
+inline RoundShape check_round_shape(const char* op, const char* target_name, const at::Tensor& target,
+                                    const at::Tensor& draft) {
+  const RoundShape shape{target.size(0), target.size(1) - 1, target.size(2)};
+  SPECDEC_CHECK(shape.k >= 1, op, ": argument '", target_name,
+                "' must have k+1 >= 2 positions in dimension 1, got shape ", target.sizes());
+  SPECDEC_CHECK(shape.vocab >= 1, op, ": argument '", target_name, "' must have a vocabulary of V >= 1, got shape ",
+                target.sizes());
+  check_draft_ids(op, draft);
+  const std::string rows = std::string("B, rows of ") + target_name;
+  const std::string positions = std::string("k, ") + target_name + " has k+1 positions";
+  check_size(op, "draft_token_ids", draft, 0, shape.batch, rows.c_str());
+  check_size(op, "draft_token_ids", draft, 1, shape.k, positions.c_str());
+  return shape;
+}
+
 // The int64 [3] (accepted, emitted, proposed) statistics of the .counted overloads.
 inline void check_counters(const char* op, const at::Tensor& counters,
                            const c10::Device& device = c10::Device(c10::kCPU)) {

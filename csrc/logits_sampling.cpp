@@ -187,19 +187,10 @@ std::tuple<at::Tensor, at::Tensor> rejection_impl(
     bool block, at::Tensor* counters, bool with_logprobs) {
   const char* op = kRejection;
   check_logit_tensor(op, "target_logits", target, 3);
-  const int64_t batch = target.size(0);
-  const int64_t k = target.size(1) - 1;
-  const int64_t vocab = target.size(2);
-  SPECDEC_CHECK(k >= 1, op, ": argument 'target_logits' must have k+1 >= 2 positions in dimension 1, got shape ",
-                target.sizes());
-  SPECDEC_CHECK(vocab >= 1, op, ": argument 'target_logits' must have a vocabulary of V >= 1, got shape ",
-                target.sizes());
-  check_rank(op, "draft_token_ids", draft, 2);
-  check_int_dtype(op, "draft_token_ids", draft);
-  check_cpu(op, "draft_token_ids", draft);
-  check_unit_stride(op, "draft_token_ids", draft);
-  check_size(op, "draft_token_ids", draft, 0, batch, "B, rows of target_logits");
-  check_size(op, "draft_token_ids", draft, 1, k, "k, target_logits has k+1 positions");
+  const RoundShape shape = check_round_shape(op, "target_logits", target, draft);
+  const int64_t batch = shape.batch;
+  const int64_t k = shape.k;
+  const int64_t vocab = shape.vocab;
   SPECDEC_CHECK(!(draft_probs.has_value() && draft_logits.has_value()), op,
                 ": pass at most one of 'draft_probs' and 'draft_logits', got both");
   const std::optional<at::Tensor>& q_tensor = draft_probs.has_value() ? draft_probs : draft_logits;

@@ -120,19 +120,10 @@ at::Tensor rejection_sample_impl(const at::Tensor& target, const at::Tensor& dra
   check_prob_dtype(op, "target_probs", target);
   check_cpu(op, "target_probs", target);
   check_unit_stride(op, "target_probs", target);
-  const int64_t batch = target.size(0);
-  const int64_t k = target.size(1) - 1;
-  const int64_t vocab = target.size(2);
-  SPECDEC_CHECK(k >= 1, op, ": argument 'target_probs' must have k+1 >= 2 positions in dimension 1, got shape ",
-                target.sizes());
-  SPECDEC_CHECK(vocab >= 1, op, ": argument 'target_probs' must have a vocabulary of V >= 1, got shape ",
-                target.sizes());
-  check_rank(op, "draft_token_ids", draft, 2);
-  check_int_dtype(op, "draft_token_ids", draft);
-  check_cpu(op, "draft_token_ids", draft);
-  check_unit_stride(op, "draft_token_ids", draft);
-  check_size(op, "draft_token_ids", draft, 0, batch, "B, rows of target_probs");
-  check_size(op, "draft_token_ids", draft, 1, k, "k, target_probs has k+1 positions");
+  const RoundShape shape = check_round_shape(op, "target_probs", target, draft);
+  const int64_t batch = shape.batch;
+  const int64_t k = shape.k;
+  const int64_t vocab = shape.vocab;
   if (draft_probs.has_value()) {
     const at::Tensor& q = *draft_probs;
     check_rank(op, "draft_probs", q, 3);

@@ -25,10 +25,7 @@ constexpr double kEntropyEps = 1e-5;
 
 void check_inputs(const char* op, const char* target_name, const at::Tensor& target,
                   const at::Tensor& draft, const at::Tensor* counters) {
-  check_rank(op, "draft_token_ids", draft, 2);
-  check_int_dtype(op, "draft_token_ids", draft);
-  check_cpu(op, "draft_token_ids", draft);
-  check_unit_stride(op, "draft_token_ids", draft);
+  check_draft_ids(op, draft);
   check_rank(op, target_name, target, 3);
   const auto dtype = target.scalar_type();
   SPECDEC_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat, op, ": argument '",
