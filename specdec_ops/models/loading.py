@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -116,12 +117,66 @@ def _fill_model(model: LlamaModel, get: Callable[[str], torch.Tensor], reader: _
             param.copy_(tensor.to(param.dtype))
 
 
-def _layer_mapping(name: str):
-    """(layer index, our suffix) of a decoder-layer parameter name, or None."""
-    parts = name.split(".")
-    if parts[0] != "layers":
-        return None
-    return int(parts[1]), ".".join(parts[2:])
+@dataclasses.dataclass(frozen=True)
+class _CheckpointNames:
+    """How a checkpoint format names our parameters. The fused qkv_proj and gate_up_proj are the concatenation
+    (along rows) of the format's separate projections."""
+
+    top: dict[str, str]  # our name -> the file's, outside the decoder layers
+    layer_prefix: str  # the file's prefix of layer {layer}'s tensors
+    layer: dict[str, str]  # our suffix in a layer -> the file's suffix, one tensor each
+    qkv: tuple[str, str, str]  # the file's q, k and v projections, before ".weight" / ".bias"
+    gate_up: tuple[str, str]  # the file's gate and up projections
+
+
+_HF_NAMES = _CheckpointNames(
+    top={"embed_tokens.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+         "lm_head.weight": "lm_head.weight"},
+    layer_prefix="model.layers.{layer}.",
+    layer={"attn.o_proj.weight": "self_attn.o_proj.weight", "down_proj.weight": "mlp.down_proj.weight",
+           "input_norm.weight": "input_layernorm.weight", "post_attn_norm.weight": "post_attention_layernorm.weight"},
+    qkv=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    gate_up=("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+)
+
+_GGUF_NAMES = _CheckpointNames(
+    top={"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+         "lm_head.weight": "output.weight"},
+    layer_prefix="blk.{layer}.",
+    layer={"attn.o_proj.weight": "attn_output.weight", "down_proj.weight": "ffn_down.weight",
+           "input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight"},
+    qkv=("attn_q", "attn_k", "attn_v"),
+    gate_up=("ffn_gate.weight", "ffn_up.weight"),
+)
+
+
+def _parameter_getter(names: _CheckpointNames, read: Callable[[str], torch.Tensor],
+                      read_q: Callable[[str], torch.Tensor] | None = None,
+                      read_k: Callable[[str], torch.Tensor] | None = None) -> Callable[[str], torch.Tensor]:
+    """``get(our_name)`` for `_fill_model`: reads the file's tensors through `read` (the q and k projections
+    through `read_q` / `read_k` when given, for a format that stores them in another row order)."""
+    read_q = read_q or read
+    read_k = read_k or read
+
+    def get(name: str) -> torch.Tensor:
+        if name in names.top:
+            return read(names.top[name])
+        parts = name.split(".")
+        if parts[0] != "layers":
+            raise AssertionError(f"unmapped parameter {name}")
+        prefix = names.layer_prefix.format(layer=int(parts[1]))
+        suffix = ".".join(parts[2:])
+        if suffix in names.layer:
+            return read(prefix + names.layer[suffix])
+        if suffix.startswith("attn.qkv_proj."):
+            kind = suffix.rsplit(".", 1)[1]  # weight or bias
+            q, k, v = (f"{prefix}{projection}.{kind}" for projection in names.qkv)
+            return torch.cat([read_q(q), read_k(k), read(v)])
+        if suffix == "gate_up_proj.weight":
+            return torch.cat([read(prefix + projection) for projection in names.gate_up])
+        raise AssertionError(f"unmapped parameter {name}")
+
+    return get
 
 
 def _load_hf_dir(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
@@ -160,29 +215,7 @@ def _load_hf_dir(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
 
     read = _TensorReader(read_tensor)
 
-    def get(name: str) -> torch.Tensor:
-        if name == "embed_tokens.weight":
-            return read("model.embed_tokens.weight")
-        if name == "norm.weight":
-            return read("model.norm.weight")
-        if name == "lm_head.weight":
-            return read("lm_head.weight")
-        layer, suffix = _layer_mapping(name)
-        prefix = f"model.layers.{layer}."
-        if suffix.startswith("attn.qkv_proj."):
-            kind = suffix.rsplit(".", 1)[1]
-            return torch.cat([read(f"{prefix}self_attn.{p}_proj.{kind}") for p in "qkv"])
-        if suffix == "attn.o_proj.weight":
-            return read(prefix + "self_attn.o_proj.weight")
-        if suffix == "gate_up_proj.weight":
-            return torch.cat([read(prefix + "mlp.gate_proj.weight"), read(prefix + "mlp.up_proj.weight")])
-        if suffix == "down_proj.weight":
-            return read(prefix + "mlp.down_proj.weight")
-        if suffix == "input_norm.weight":
-            return read(prefix + "input_layernorm.weight")
-        if suffix == "post_attn_norm.weight":
-            return read(prefix + "post_attention_layernorm.weight")
-        raise AssertionError(f"unmapped parameter {name}")
+    get = _parameter_getter(_HF_NAMES, read)
 
     model = LlamaModel(config, device=device, init_weights=False)
     _fill_model(model, get, read, str(path))
@@ -190,8 +223,6 @@ def _load_hf_dir(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
 
 
 def _truncated_config(config: LlamaConfig, num_layers: int) -> LlamaConfig:
-    import dataclasses
-
     if not 1 <= num_layers <= config.num_layers:
         raise ValueError(f"load_model: num_layers must lie in [1, {config.num_layers}], got {num_layers}")
     return dataclasses.replace(config, num_layers=num_layers)
@@ -284,27 +315,8 @@ def _load_gguf(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
         # llama.cpp's llama converter permutes q/k rows (weights and biases); qwen2 files keep the NeoX layout.
         return _unpermute_rope_rows(tensor, heads) if arch == "llama" else tensor
 
-    def get(name: str) -> torch.Tensor:
-        if name == "embed_tokens.weight":
-            return read("token_embd.weight")
-        if name == "norm.weight":
-            return read("output_norm.weight")
-        if name == "lm_head.weight":
-            return read("output.weight")
-        layer, suffix = _layer_mapping(name)
-        prefix = f"blk.{layer}."
-        if suffix.startswith("attn.qkv_proj."):
-            kind = suffix.rsplit(".", 1)[1]
-            return torch.cat([read_rope(f"{prefix}attn_q.{kind}", config.num_heads),
-                              read_rope(f"{prefix}attn_k.{kind}", config.num_kv_heads),
-                              read(f"{prefix}attn_v.{kind}")])
-        simple = {"attn.o_proj.weight": "attn_output.weight", "down_proj.weight": "ffn_down.weight",
-                  "input_norm.weight": "attn_norm.weight", "post_attn_norm.weight": "ffn_norm.weight"}
-        if suffix in simple:
-            return read(prefix + simple[suffix])
-        if suffix == "gate_up_proj.weight":
-            return torch.cat([read(prefix + "ffn_gate.weight"), read(prefix + "ffn_up.weight")])
-        raise AssertionError(f"unmapped parameter {name}")
+    get = _parameter_getter(_GGUF_NAMES, read, read_q=lambda name: read_rope(name, config.num_heads),
+                            read_k=lambda name: read_rope(name, config.num_kv_heads))
 
     model = LlamaModel(config, device=device, init_weights=False)
     _fill_model(model, get, read, str(path))
