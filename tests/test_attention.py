@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import HAS_CUDA, sync_forbidden
-from specdec_ops.models.attention import launch_plan, paged_attention_reference, paged_attention_triton
+from specdec_ops.models.attention import (MAX_SPLITS, MIN_SPLIT_LEN, launch_plan, paged_attention_reference,
+                                          paged_attention_triton)
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -86,6 +87,18 @@ def test_long_context_splits_and_combines():
     check(batch, live, 1, 1e-5)
     # The same tokens as a ragged batch (tiles of several tokens straddling rows).
     check(batch, live, 0, 1e-5)
+
+
+def test_batch_one_takes_the_most_splits_and_empty_splits_combine():
+    # One decode token over a wide block table: MAX_SPLITS splits of MIN_SPLIT_LEN positions, most of them past
+    # the sequence (nothing to attend: they must drop out of the combination), one cut mid-split.
+    blocks_per_row = MAX_SPLITS * MIN_SPLIT_LEN // 8
+    plan = launch_plan(1, 4, 1, 16, blocks_per_row * 8, 1)
+    assert plan["splits"] == MAX_SPLITS and plan["split_len"] == MIN_SPLIT_LEN
+    for context in (1, MIN_SPLIT_LEN + 3, 5 * MIN_SPLIT_LEN):
+        batch, live = make_batch(query_lens=[1], context_lens=[context], heads=4, kv_heads=1, head_size=16,
+                                 block_size=8, blocks_per_row=blocks_per_row, seed=context)
+        check(batch, live, 1, 1e-5)
 
 
 def test_tokens_of_one_row_need_not_be_contiguous():

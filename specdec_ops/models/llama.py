@@ -3,7 +3,9 @@
 RMSNorm, rotary embeddings (NeoX layout, the layout of Hugging Face checkpoints; Llama 3 rope scaling),
 grouped-query attention (optional bias on the q/k/v projections, as in Qwen2) and a SwiGLU MLP, in plain
 PyTorch. The q/k/v projections are one fused matrix ``qkv_proj`` and gate/up one ``gate_up_proj``
-(checkpoints are concatenated at load time, `loading.py`). Embeddings are tied or untied. Weights are
+(checkpoints are concatenated at load time, `loading.py`); the nn.Linear modules hold the weights and every
+projection runs through `linear.linear` (a Triton kernel for 1 to 16 rows of a half-precision CUDA model,
+F.linear otherwise). Embeddings are tied or untied. Weights are
 random and seeded (`LlamaModel(config, seed=...)`) or loaded (`loading.load_model`).
 
 It follows the model interface of specdec_ops/models/interface.py: ``vocab_size``, ``kv_cache_spec()``,
@@ -35,6 +37,7 @@ import torch
 from torch import nn
 
 from . import attention as _attention
+from .linear import linear
 from .interface import AttentionMetadata, KVCacheSpec
 
 ATTENTION_BACKENDS = ("auto", "reference", "triton")
@@ -156,7 +159,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, positions, metadata: AttentionMetadata | None, backend: str):
         tokens, d = x.shape[0], self.head_size
-        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
+        qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
         q = apply_rotary(q.view(tokens, self.num_heads, d), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, d), cos, sin)
         v = v.view(tokens, self.num_kv_heads, d)
@@ -164,7 +168,7 @@ class Attention(nn.Module):
             out = self._dense(q, k, v, positions)
         else:
             out = self._paged(q, k, v, positions, metadata, backend)
-        return self.o_proj(out.reshape(tokens, self.num_heads * d))
+        return linear(out.reshape(tokens, self.num_heads * d), self.o_proj.weight)
 
     def _dense(self, q, k, v, positions):
         # One whole sequence, no cache: every token sees the tokens at positions <= its own.
@@ -200,8 +204,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, positions, metadata, backend):
         x = x + self.attn(self.input_norm(x), cos, sin, positions, metadata, backend)
-        gate, up = self.gate_up_proj(self.post_attn_norm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(nn.functional.silu(gate) * up)
+        gate, up = linear(self.post_attn_norm(x), self.gate_up_proj.weight).chunk(2, dim=-1)
+        return x + linear(nn.functional.silu(gate) * up, self.down_proj.weight)
 
 
 class LlamaModel(nn.Module):
@@ -288,7 +292,7 @@ class LlamaModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden] -> logits [n, vocab] in the model dtype."""
-        return nn.functional.linear(hidden, self.head_weight)
+        return linear(hidden, self.head_weight)
 
     def truncated(self, num_layers: int) -> "LlamaModel":
         """A model of the first `num_layers` decoder layers sharing this one's embedding, final norm and head

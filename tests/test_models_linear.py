@@ -1,0 +1,110 @@
+"""The models' small-batch projection kernel (specdec_ops/models/linear.py) equals F.linear.
+
+On CPU the kernel runs in the Triton interpreter (float32 exact to 1e-5; float16 within 2e-3 of a float32
+product of the same inputs, outputs O(1)). On CUDA: bf16 at the 1B model's shapes within bf16 rounding of a
+float32 product, through torch.compile(fullgraph=True) and a CUDA graph.
+"""
+import pytest
+import torch
+
+from conftest import sync_forbidden
+from specdec_ops.models.linear import MAX_ROWS, launch_config, linear, small_batch_linear_triton
+
+
+def inputs(rows, n, k, dtype=torch.float32, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    return x.to(device, dtype), w.to(device, dtype)
+
+
+@pytest.mark.parametrize("rows,n,k", [
+    (1, 40, 2048),    # one row, K a multiple of the tile, N not a multiple of the column block
+    (1, 7, 300),      # one row, K not a multiple of the tile (masked tail), fewer columns than a block
+    (5, 70, 512),     # a verify batch of 5 rows, N not a multiple of 16
+    (16, 33, 200),    # the most rows the kernel takes, ragged K
+    (3, 1, 16),       # one output column
+])
+def test_matches_f_linear_float32(rows, n, k):
+    x, w = inputs(rows, n, k)
+    got = small_batch_linear_triton(x, w)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, x @ w.T, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_half_precision_rounds_once(rows):
+    x, w = inputs(rows, 24, 640, dtype=torch.float16, seed=1)
+    got = small_batch_linear_triton(x, w)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), x.float() @ w.float().T, atol=2e-3, rtol=0)
+
+
+def test_strided_inputs_and_empty_shapes():
+    x, w = inputs(2, 24, 96, seed=2)
+    # A transposed weight view and a row slice (copied to unit stride along K first).
+    wt = w.T.contiguous().T
+    torch.testing.assert_close(small_batch_linear_triton(x[:, :64], wt[:, :64]), x[:, :64] @ w[:, :64].T,
+                               atol=1e-5, rtol=0)
+    assert small_batch_linear_triton(x[:0], w).shape == (0, 24)
+    assert (small_batch_linear_triton(x[:, :0], w[:, :0]) == 0).all()
+
+
+def test_launch_config_covers_k():
+    for rows, n, k in ((1, 3072, 2048), (5, 16384, 2048), (1, 49152, 576), (8, 2048, 8192), (1, 10, 8)):
+        c = launch_config(rows, n, k)
+        assert c["even_k"] == (k % c["block_k"] == 0) and c["one_row"] == (rows == 1)
+        assert c["block_k"] >= 16 and (rows == 1 or c["block_n"] >= 16)
+
+
+def test_bad_inputs_raise():
+    x, w = inputs(2, 8, 32)
+    with pytest.raises(ValueError, match="same K"):
+        small_batch_linear_triton(x, w[:, :16])
+    with pytest.raises(ValueError, match=f"at most {MAX_ROWS}"):
+        small_batch_linear_triton(torch.zeros(MAX_ROWS + 1, 32), w)
+    with pytest.raises(ValueError, match="share dtype"):
+        small_batch_linear_triton(x, w.double())
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        small_batch_linear_triton(x.double(), w.double())
+
+
+def test_linear_off_cuda_is_f_linear():
+    # CPU tensors (and float32 anywhere) take F.linear: bit-identical, bias included.
+    x, w = inputs(3, 8, 32)
+    bias = torch.randn(8)
+    assert torch.equal(linear(x, w, bias), torch.nn.functional.linear(x, w, bias))
+    assert torch.equal(torch.ops.specdec_models.small_batch_linear(x, w), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bf16_model_shapes_compiled_in_a_graph_on_cuda(rows):
+    from torch._dynamo.utils import counters
+
+    shapes = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048), (2816, 1024), (1000, 576)]
+    weights = [inputs(rows, n, k, dtype=torch.bfloat16, seed=i, device="cuda")[1] for i, (n, k) in enumerate(shapes)]
+    xs = [inputs(rows, n, k, dtype=torch.bfloat16, seed=10 + i, device="cuda")[0] for i, (n, k) in enumerate(shapes)]
+    bias = torch.randn(shapes[0][0], device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        return [linear(xs[0], weights[0], bias)] + [linear(x, w) for x, w in zip(xs[1:], weights[1:])]
+
+    skips = counters["inductor"]["cudagraph_skips"]
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        compiled()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = compiled()
+    with sync_forbidden():
+        graph.replay()
+    torch.cuda.synchronize()
+    assert counters["inductor"]["cudagraph_skips"] == skips
+    for i, (x, w, out) in enumerate(zip(xs, weights, outs)):
+        want = x.float() @ w.float().T + (bias.float() if i == 0 else 0)
+        # bf16 output rounding (8 bits of mantissa) of values up to about 5, plus the bias's own rounding.
+        torch.testing.assert_close(out.float(), want, atol=6e-2, rtol=1e-2)
