@@ -155,16 +155,17 @@ class RecordingGenerator(Generator):
         super().__init__(*args, **kwargs)
         self.admissions = []
 
-    def _admit(self, slot, request):
+    def _admit(self, slots, requests):
         live = {s: self.block_table.blocks(s) for s in range(self.num_slots) if self.block_table.blocks(s)}
-        assert slot not in live, f"slot {slot} admitted while it still holds blocks"
+        assert not set(slots) & set(live), f"slots {slots} admitted while one still holds blocks"
+        assert len(set(slots)) == len(slots)
         live_blocks = [b for blocks in live.values() for b in blocks]
         assert len(live_blocks) == len(set(live_blocks))
-        result = super()._admit(slot, request)
-        new = self.block_table.blocks(slot)
-        assert not set(new) & set(live_blocks), "a new request got a live request's block"
-        self.admissions.append((slot, tuple(new)))
-        return result
+        super()._admit(slots, requests)
+        new_blocks = [b for slot in slots for b in self.block_table.blocks(slot)]
+        assert len(new_blocks) == len(set(new_blocks)), "two admitted requests share a block"
+        assert not set(new_blocks) & set(live_blocks), "a new request got a live request's block"
+        self.admissions.extend((slot, tuple(self.block_table.blocks(slot))) for slot in slots)
 
 
 def test_slot_and_block_reuse_keeps_live_requests_intact(target, draft):
@@ -354,10 +355,9 @@ def test_cuda_rounds_do_not_sync():
     generator.warm_up()
     requests = [Request([3 + i] * (1 + 3 * i), 20) for i in range(4)]
     prepared = [generator._prepare(i, r) for i, r in enumerate(requests)]
-    for slot, request in enumerate(prepared):
-        assert generator._admit(slot, request)
     torch.cuda.synchronize()
-    with sync_forbidden():  # the rounds themselves: no host sync at all
+    with sync_forbidden():  # admission (prefills, first tokens, device state) and the rounds: no host sync
+        generator._admit(list(range(4)), prepared)
         for _ in range(6):
             generator.runner.run(4)
     torch.cuda.synchronize()
