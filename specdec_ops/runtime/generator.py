@@ -85,6 +85,9 @@ TARGET_STREAM_OFFSET = 1 << 40
 # is the reference gather, which builds [T, C] context slots; on CUDA the Triton kernel reads the cache in place.
 PREFILL_CHUNK = 256
 PREFILL_CHUNK_CUDA = 2048
+# With CUDA graphs, a prefill forward replays a graph captured at its token count padded to a power of two from
+# PREFILL_MIN_GRAPH to PREFILL_CHUNK_CUDA (padding tokens write only the null block).
+PREFILL_MIN_GRAPH = 16
 
 
 @dataclass(frozen=True)
@@ -255,9 +258,9 @@ class Generator:
             self.batch_sizes.append(self.num_slots)
         blocks_per_req = -(-self.max_model_len // self.block_size)
         self.num_blocks = 1 + self.num_slots * blocks_per_req
+        self.compile, self.cuda_graphs = compile, cuda_graphs
         self._allocate_state(blocks_per_req)
         step = self._round if self.speculative else self._plain_round
-        self.compile, self.cuda_graphs = compile, cuda_graphs
         self.runner = StepGraphs(step, device=device, compile=compile, cuda_graphs=cuda_graphs,
                                  num_sizes=len(self.batch_sizes), owner="Generator")
         self.warmed: set[int] = set()
@@ -315,6 +318,14 @@ class Generator:
         self._split_logits = None
         self._split_runners: dict[str, StepGraphs] = {}
         self.cap_host = [1] * slots  # each slot's cap, on the host
+        # Prefill graphs (CUDA graphs only): their inputs, padded; row `slots` of the block rows stays null.
+        self._prefill_graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if self.cuda_graphs:
+            size = PREFILL_CHUNK_CUDA
+            self._prefill_ids = zeros(size, dtype=torch.int64)
+            self._prefill_positions = zeros(size, dtype=torch.int64)
+            self._prefill_rows = torch.full((size,), slots, dtype=torch.int64, device=device)
+            self._prefill_block_rows = zeros(slots + 1, blocks_per_req, dtype=torch.int64)
 
     # --- one round (traced) ---------------------------------------------------------------------------
 
@@ -450,6 +461,7 @@ class Generator:
         """
         if self.active.any():
             raise RuntimeError("Generator.warm_up: requests are live; warm up before generating")
+        self._warm_up_prefill(progress)
         for batch in self.batch_sizes:
             if batch in self.warmed:
                 continue
@@ -462,6 +474,25 @@ class Generator:
             self.warmed.add(batch)
             if progress is not None:
                 progress(f"  batch {batch} ready in {time.perf_counter() - start:.1f} s")
+
+    @torch.no_grad()
+    def _warm_up_prefill(self, progress) -> None:
+        """With CUDA graphs: captures the prefill graphs of every padded size (the buffers hold null-row tokens,
+        so the capture's run writes only the null block), so admissions never capture (a capture syncs)."""
+        names = ("target", "draft") if self.speculative else ("target",)
+        missing = [(n, s) for n in names for s in self._prefill_sizes() if (n, s) not in self._prefill_graphs] \
+            if self.cuda_graphs else []
+        if not missing:
+            return
+        if progress is not None:
+            progress(f"warm-up: prefill graphs ({len(missing)})")
+        self._prefill_ids.zero_()
+        self._prefill_positions.zero_()
+        self._prefill_rows.fill_(self.num_slots)
+        self._prefill_block_rows.zero_()
+        for name, size in missing:
+            self._prefill_graph(name, size)
+        self._sync()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -631,12 +662,11 @@ class Generator:
             packed[3 * num_tokens + num_draft:].view(count, 8).unbind(1))
         block_rows = self.block_table.tensor.long()[slot_d]  # [count, blocks_per_req]
 
-        hidden = self._prefill(self.target, self.kv_caches, block_rows, ids_d, positions_d, rows_d, keep=True)
+        hidden = self._prefill("target", block_rows, ids_d, positions_d, rows_d, keep=True)
         logits = self.target.compute_logits(hidden[last_d]).float()
         first = sample_draft(logits, temperature, seed_d, length_d + TARGET_STREAM_OFFSET)
         if self.speculative and num_draft:
-            self._prefill(self.draft, self.proposer.kv_caches, block_rows, ids_d[draft_d], positions_d[draft_d],
-                          rows_d[draft_d], keep=False)
+            self._prefill("draft", block_rows, ids_d[draft_d], positions_d[draft_d], rows_d[draft_d], keep=False)
 
         self.tokens_2d.index_fill_(0, slot_d, 0)
         self.tokens.index_put_((slot_d[rows_d] * width + positions_d,), ids_d)
@@ -658,21 +688,87 @@ class Generator:
         query[:, 0] = ids_d[last_d]
         self.query_tokens.index_copy_(0, slot_d, query)
 
-    def _prefill(self, model, kv_caches, block_rows, ids, positions, token_rows, keep: bool):
-        """Packed prompt tokens through `model`'s paged cache, eagerly, in forwards of up to the prefill chunk;
-        token t belongs to request row token_rows[t] of block_rows and attends to its positions <= positions[t]
-        (earlier chunks wrote the earlier ones). Returns the hidden states [T, H] when `keep`, else None."""
-        chunk_len = PREFILL_CHUNK_CUDA if self.device.type == "cuda" else PREFILL_CHUNK
+    def _model(self, name: str):
+        """(model, its KV caches) of "target" or "draft"."""
+        if name == "target":
+            return self.target, self.kv_caches
+        return self.draft, self.proposer.kv_caches
+
+    def _prefill(self, name: str, block_rows, ids, positions, token_rows, keep: bool):
+        """Packed prompt tokens through the `name` model's paged cache, in forwards of up to the prefill chunk
+        (eager, or replays of captured graphs with CUDA graphs); token t belongs to request row token_rows[t] of
+        block_rows and attends to its positions <= positions[t] (earlier chunks wrote the earlier ones).
+        Returns the hidden states [T, H] when `keep`, else None."""
+        if self.cuda_graphs:
+            return self._prefill_replayed(name, block_rows, ids, positions, token_rows, keep)
+        model, kv_caches = self._model(name)
         hidden = []
-        for begin in range(0, ids.shape[0], chunk_len):
-            chunk, rows = positions[begin: begin + chunk_len], token_rows[begin: begin + chunk_len]
-            metadata = AttentionMetadata(
-                kv_caches, slot_mapping(block_rows[rows], chunk, self.block_size, self.max_model_len), block_rows,
-                rows, chunk + 1, self.block_size)
-            out = model(ids[begin: begin + chunk_len], chunk, metadata)
+        for begin in range(0, ids.shape[0], PREFILL_CHUNK_CUDA if self.device.type == "cuda" else PREFILL_CHUNK):
+            end = begin + (PREFILL_CHUNK_CUDA if self.device.type == "cuda" else PREFILL_CHUNK)
+            out = self._prefill_forward(model, kv_caches, block_rows, ids[begin:end], positions[begin:end],
+                                        token_rows[begin:end])
             if keep:
                 hidden.append(out)
         return torch.cat(hidden) if keep else None
+
+    def _prefill_forward(self, model, kv_caches, block_rows, ids, positions, token_rows):
+        metadata = AttentionMetadata(
+            kv_caches, slot_mapping(block_rows[token_rows], positions, self.block_size, self.max_model_len),
+            block_rows, token_rows, positions + 1, self.block_size)
+        return model(ids, positions, metadata)
+
+    def _prefill_sizes(self) -> list[int]:
+        sizes, size = [], PREFILL_MIN_GRAPH
+        while size < PREFILL_CHUNK_CUDA:
+            sizes.append(size)
+            size *= 2
+        return sizes + [PREFILL_CHUNK_CUDA]
+
+    def _prefill_graph(self, name: str, size: int):
+        """The captured prefill forward of `name` over the first `size` entries of the prefill buffers (captured
+        on first use: a run on a side stream, which JIT-compiles its kernels, then the recording)."""
+        key = (name, size)
+        if key not in self._prefill_graphs:
+            model, kv_caches = self._model(name)
+
+            def forward():
+                return self._prefill_forward(model, kv_caches, self._prefill_block_rows, self._prefill_ids[:size],
+                                             self._prefill_positions[:size], self._prefill_rows[:size])
+
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                hidden = forward()
+            self._prefill_graphs[key] = (graph, hidden)
+        return self._prefill_graphs[key]
+
+    def _prefill_replayed(self, name, block_rows, ids, positions, token_rows, keep: bool):
+        """`_prefill` by graph replays: each chunk is copied into the prefill buffers, padded to its graph's size
+        with tokens of the null row (position 0), whose KV writes land in the null block."""
+        count, total = block_rows.shape[0], ids.shape[0]
+        self._prefill_block_rows.zero_()
+        self._prefill_block_rows[:count] = block_rows
+        hidden = None
+        for begin in range(0, total, PREFILL_CHUNK_CUDA):
+            n = min(PREFILL_CHUNK_CUDA, total - begin)
+            size = next(s for s in self._prefill_sizes() if s >= n)
+            self._prefill_ids[:n] = ids[begin: begin + n]
+            self._prefill_positions[:n] = positions[begin: begin + n]
+            self._prefill_rows[:n] = token_rows[begin: begin + n]
+            self._prefill_ids[n:size] = 0
+            self._prefill_positions[n:size] = 0
+            self._prefill_rows[n:size] = self.num_slots
+            graph, out = self._prefill_graph(name, size)
+            graph.replay()
+            if keep:
+                if hidden is None:
+                    hidden = torch.empty(total, out.shape[1], dtype=out.dtype, device=out.device)
+                hidden[begin: begin + n] = out[:n]
+        return hidden
 
     def _retire(self, slot: int) -> None:
         self.pool.release(self.block_table.clear(slot))
