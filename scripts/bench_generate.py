@@ -8,8 +8,9 @@ Models (random weights, the same in every path): the target has Llama-3.2-1B's s
 32 heads, 8 KV heads, intermediate 8192, vocab 128256, tied embeddings); the draft is the target's first
 ``--draft-layers`` layers with its embedding, final norm and head (no copy). Random weights give no realistic
 acceptance by themselves, so the target's later layers are damped: their attention and MLP output projections are
-scaled by a factor s, found by bisection so that the acceptance of a short eager greedy speculative run (4 random
-prompts, 64 tokens) is at least ``--alpha`` (default 0.75). Greedy generation with random weights tends to fall
+scaled by a factor s, found by bisection so that the acceptance of a short eager greedy speculative run (8 random
+prompts at batch 8, 128 tokens) is at least ``--alpha`` (default 0.75). One calibration serves every batch size;
+the measured alpha of each batch is reported with whether it lies in the realistic 0.5 to 0.9. Greedy generation with random weights tends to fall
 into repeated tokens, so the acceptance of generated text, not a teacher-forced agreement, is what is calibrated.
 The target still computes every layer at full cost; only the numbers change. The measured alpha of the real runs
 is reported beside it.
@@ -19,11 +20,17 @@ When the models package provides `load_model` (Hugging Face checkpoints), the we
 with ``assistant_model`` = its own first layers, k constant) runs on the same weights at batch 1. Otherwise the
 transformers rows are skipped.
 
-Per batch size: tokens/s of each path; alpha (accepted / tested drafts); c = draft step time / target step time,
+Per batch size, each path is warmed up (rounds compiled and captured, prefill graphs captured, then one short
+untimed generate of the same prompts, which JIT-compiles the admission's eager kernels at these shapes) and then
+timed over one generate call of all the batch's requests, admissions included. Reported: tokens/s of each path; alpha (accepted / tested drafts); c = draft step time / target step time,
 where the draft step is the propose part of a round divided by k and the target step is one target-only round
 (each timed as its own captured graph, CUDA events); the measured speedup (speculative / target-only tokens/s);
 Leviathan et al.'s prediction (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)); efficiency = measured / predicted;
-and the host share: the part of the speculative run's wall time in which no round group ran on the device.
+the host share: the part of the speculative run's wall time in which no round group ran on the device, split
+into the admissions (their CUDA-event spans: prefills, first tokens, state writes) and the rest (the device
+waiting for the host between groups). With --full-split the target and verification parts of a round are timed
+too (two more compiles per batch size), against the target-only round: Leviathan's formula takes the verify
+forward to cost one target step. The JSON (and the table on stderr) is rewritten after every batch size.
 """
 from __future__ import annotations
 
@@ -56,7 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--draft-layers", type=int, default=None, help="default 2 (1 with --quick)")
     p.add_argument("--alpha", type=float, default=0.75, help="the teacher-forced agreement to calibrate to")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
-    p.add_argument("--full-split", action="store_true", help="also time the target and verification parts")
+    p.add_argument("--full-split", nargs="?", const="all", default=None,
+                   help="also time the target and verification parts (at these comma-separated batch sizes, or all)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the rounds (default: on CUDA only)")
     p.add_argument("--json", nargs="?", const="-", default=None, help="write JSON to this file ('-': stdout)")
@@ -123,7 +131,7 @@ def generation_acceptance(target, draft, prompts, args, device: str):
     """The acceptance of a short eager greedy speculative run (what calibration aims at): greedy generation with
     random weights often falls into repeated tokens, which a teacher-forced agreement would not see."""
     k = args.k
-    new_tokens = min(64, args.new_tokens)
+    new_tokens = min(128, args.new_tokens)
     config = GeneratorConfig(num_speculative_tokens=k, method="greedy", max_num_reqs=len(prompts),
                              max_model_len=-(-(args.prompt_len + new_tokens + k + 1) // 16) * 16, block_size=16,
                              batch_sizes=(len(prompts),), read_every=8)
@@ -140,7 +148,7 @@ def build_models(args, shapes: dict, dtype: torch.dtype, device: str, workdir: P
     load_model = _models_api()
     gen = torch.Generator(device="cpu").manual_seed(2)
     calib_prompts = [torch.randint(0, shapes["vocab_size"], (args.prompt_len,), generator=gen).tolist()
-                     for _ in range(4)]
+                     for _ in range(8)]
     hf = hf_draft = None
     if load_model is not None and not args.no_hf:
         import transformers
@@ -203,6 +211,7 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
     config = GeneratorConfig(num_speculative_tokens=k, method="greedy", max_num_reqs=batch,
                              max_model_len=max_model_len, block_size=16, batch_sizes=(batch,), read_every=8)
     requests = [Request(p, args.new_tokens) for p in prompts[:batch]]
+    full_split = args.full_split == "all" or (args.full_split and str(batch) in args.full_split.split(","))
     results = {}
     for name, model_draft in (("plain", None), ("spec", draft)):
         t0 = time.perf_counter()
@@ -210,7 +219,8 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
         generator.warm_up()
         # The target and verification parts are timed only with --full-split (each is one more compile per size).
         split = generator.measure_split(batch, repeats=5 if device == "cuda" else 2,
-                                        parts=("draft", "target", "verify") if args.full_split else ("draft",))
+                                        parts=("draft", "target", "verify") if full_split else ("draft",))
+        generator.generate([Request(p, 8) for p in prompts[:batch]])  # untimed: JIT of the admission's kernels
         warm = time.perf_counter() - t0
         out = generator.generate(requests)
         results[name] = dict(out=out, split=split, warm_up_s=warm)
@@ -275,7 +285,10 @@ def main(argv=None) -> int:
         same = sum(a.token_ids == b.token_ids for a, b in zip(result["spec"]["out"].requests,
                                                                result["plain"]["out"].requests))
         row = dict(batch=batch, plain_tokens_per_s=plain.tokens_per_s, spec_tokens_per_s=spec.tokens_per_s,
-                   alpha=alpha, acceptance_per_position=spec.acceptance_per_position,
+                   alpha=alpha, alpha_realistic=alpha is not None and 0.5 <= alpha <= 0.9,
+                   acceptance_per_position=spec.acceptance_per_position, rounds=spec.rounds,
+                   plain_rounds=plain.rounds, admission_share=spec.admission_share,
+                   plain_admission_share=plain.admission_share, spec_wall_s=spec.wall_s, plain_wall_s=plain.wall_s,
                    mean_emitted_per_round=spec.mean_emitted_per_round, c=c, speedup=measured,
                    predicted_speedup=predicted, efficiency=measured / predicted, host_share=spec.host_share,
                    plain_host_share=plain.host_share, split_ms=result["spec"]["split"],
@@ -289,16 +302,17 @@ def main(argv=None) -> int:
                     row[f"hf_{mode}_tokens_per_s"] = None
                     row[f"hf_{mode}_error"] = f"{type(error).__name__}: {error}"[:200]
         rows.append(row)
-    document = dict(device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-                    torch=torch.__version__, dtype=str(dtype), shapes=shapes, k=k, prompt_len=args.prompt_len,
-                    new_tokens=args.new_tokens, draft_layers=args.draft_layers, damping=scale,
-                    calibrated_agreement=agreement, compile=compile, rows=rows,
-                    total_s=time.perf_counter() - started)
+        document = dict(device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+                        torch=torch.__version__, dtype=str(dtype), shapes=shapes, k=k, prompt_len=args.prompt_len,
+                        new_tokens=args.new_tokens, draft_layers=args.draft_layers, damping=scale,
+                        calibrated_agreement=agreement, compile=compile, rows=rows,
+                        total_s=time.perf_counter() - started)
+        print(markdown(document), file=sys.stderr, flush=True)  # what is done so far survives a time limit
+        if args.json and args.json != "-":
+            Path(args.json).write_text(json.dumps(document, indent=2))
     print(markdown(document))
     if args.json == "-":
         print(json.dumps(document, indent=2))
-    elif args.json:
-        Path(args.json).write_text(json.dumps(document, indent=2))
     return 0
 
 
@@ -306,27 +320,40 @@ def markdown(doc) -> str:
     def f(value, pattern="{:.1f}"):
         return "-" if value is None else pattern.format(value)
 
+    def ratio(ours, theirs):
+        return "-" if not theirs else f"{ours / theirs:.0f}x"
+
     lines = [f"## bench_generate: {doc['device']}, torch {doc['torch']}, {doc['dtype']}, k = {doc['k']}, "
              f"prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, draft = target's first "
-             f"{doc['draft_layers']} layers (later layers damped by s = {doc['damping']:.4f}; calibration run's "
-             f"acceptance {doc['calibrated_agreement']:.3f})", "",
-             "| batch | target-only tok/s | speculative tok/s | alpha | mean emitted | c | speedup | predicted | "
-             "efficiency | host share | greedy identical | HF target-only tok/s (dynamic / static) | "
-             "HF assisted tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{doc['draft_layers']} layers (later layers damped by s = {doc['damping']:.4f}, one calibration for "
+             f"every batch; calibration run's acceptance {doc['calibrated_agreement']:.3f})", "",
+             "| batch | target-only tok/s | speculative tok/s | alpha (in 0.5-0.9) | mean emitted | c | speedup | "
+             "predicted | efficiency | host share (admissions + waiting) | target-only host share | "
+             "greedy identical | HF target-only tok/s (dynamic / static) | HF assisted tok/s | "
+             "spec vs HF fastest target-only / assisted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
+        fastest = max([v for v in (r.get("hf_dynamic_tokens_per_s"), r.get("hf_static_tokens_per_s")) if v],
+                      default=None)
         lines.append(
-            f"| {r['batch']} | {f(r['plain_tokens_per_s'])} | {f(r['spec_tokens_per_s'])} | {f(r['alpha'], '{:.3f}')} "
+            f"| {r['batch']} | {f(r['plain_tokens_per_s'])} | {f(r['spec_tokens_per_s'])} | "
+            f"{f(r['alpha'], '{:.3f}')} ({'yes' if r['alpha_realistic'] else 'no'}) "
             f"| {f(r['mean_emitted_per_round'], '{:.2f}')} | {f(r['c'], '{:.3f}')} | {f(r['speedup'], '{:.2f}x')} | "
             f"{f(r['predicted_speedup'], '{:.2f}x')} | {f(r['efficiency'], '{:.2f}')} | "
-            f"{f(r['host_share'], '{:.1%}')} | {r['identical_requests']} | "
+            f"{f(r['host_share'], '{:.1%}')} ({f(r['admission_share'], '{:.1%}')} + "
+            f"{f(r['host_share'] - r['admission_share'], '{:.1%}')}) | {f(r['plain_host_share'], '{:.1%}')} | "
+            f"{r['identical_requests']} | "
             f"{f(r.get('hf_dynamic_tokens_per_s'))} / {f(r.get('hf_static_tokens_per_s'))} | "
-            f"{f(r.get('hf_assisted_tokens_per_s'))} |")
+            f"{f(r.get('hf_assisted_tokens_per_s'))} | {ratio(r['spec_tokens_per_s'], fastest)} / "
+            f"{ratio(r['spec_tokens_per_s'], r.get('hf_assisted_tokens_per_s'))} |")
     lines.append("")
     lines.append("split per round (ms; each part is its own compiled graph, timed over 5 replays by CUDA events, "
                  "by the wall clock on CPU): " + "; ".join(
         f"batch {r['batch']}: " + ", ".join(f"{name} {ms:.3f}" for name, ms in r["split_ms"].items())
         + f", target-only round {r['plain_round_ms']:.3f}" for r in doc["rows"]))
+    lines.append("rounds (speculative / target-only) and wall s: " + "; ".join(
+        f"batch {r['batch']}: {r['rounds']} / {r['plain_rounds']} rounds, {r['spec_wall_s']:.3f} / "
+        f"{r['plain_wall_s']:.3f} s" for r in doc["rows"]))
     lines.append(f"total {doc['total_s']:.0f} s")
     return "\n".join(lines)
 
