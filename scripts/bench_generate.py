@@ -68,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the rounds (default: on CUDA only)")
     p.add_argument("--json", nargs="?", const="-", default=None, help="write JSON to this file ('-': stdout)")
+    p.add_argument("--timed-after", default=None, metavar="FILE",
+                   help="before each timed section, wait until FILE exists (a job sharing the machine, such as a "
+                        "test run, is then over; compiling may overlap it)")
     args = p.parse_args(argv)
     if args.k < 1:
         p.error("--k must be >= 1")
@@ -217,6 +220,7 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
         t0 = time.perf_counter()
         generator = Generator(target, model_draft, config, device=device, compile=compile)
         generator.warm_up()
+        wait_for(args.timed_after)
         # The target and verification parts are timed only with --full-split (each is one more compile per size).
         split = generator.measure_split(batch, repeats=5 if device == "cuda" else 2,
                                         parts=("draft", "target", "verify") if full_split else ("draft",))
@@ -224,10 +228,15 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
         warm = time.perf_counter() - t0
         out = generator.generate(requests)
         results[name] = dict(out=out, split=split, warm_up_s=warm)
-        print(f"  batch {batch} {name}: warm-up {warm:.1f} s, {out.metrics.tokens_per_s:.1f} tokens/s",
-              file=sys.stderr, flush=True)
+        print(f"  [{time.strftime('%H:%M:%S')}] batch {batch} {name}: warm-up {warm:.1f} s, "
+              f"{out.metrics.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
         del generator
     return results
+
+
+def wait_for(path: str | None) -> None:
+    while path is not None and not Path(path).exists():
+        time.sleep(0.5)
 
 
 @torch.no_grad()
@@ -244,6 +253,7 @@ def hf_run(hf, hf_draft, prompt, args, device: str, mode: str) -> float:
         hf_draft.generation_config.assistant_confidence_threshold = 0.0
         kwargs["assistant_model"] = hf_draft
     hf.generate(ids, **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})  # warm up
+    wait_for(args.timed_after)
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -288,6 +298,8 @@ def main(argv=None) -> int:
                    alpha=alpha, alpha_realistic=alpha is not None and 0.5 <= alpha <= 0.9,
                    acceptance_per_position=spec.acceptance_per_position, rounds=spec.rounds,
                    plain_rounds=plain.rounds, admission_share=spec.admission_share,
+                   # live rows per round / batch: below 1 where requests that finished early leave rows idle
+                   occupancy=spec.row_rounds / (spec.rounds * batch) if spec.rounds else 0.0,
                    plain_admission_share=plain.admission_share, spec_wall_s=spec.wall_s, plain_wall_s=plain.wall_s,
                    mean_emitted_per_round=spec.mean_emitted_per_round, c=c, speedup=measured,
                    predicted_speedup=predicted, efficiency=measured / predicted, host_share=spec.host_share,
@@ -353,7 +365,7 @@ def markdown(doc) -> str:
         + f", target-only round {r['plain_round_ms']:.3f}" for r in doc["rows"]))
     lines.append("rounds (speculative / target-only) and wall s: " + "; ".join(
         f"batch {r['batch']}: {r['rounds']} / {r['plain_rounds']} rounds, {r['spec_wall_s']:.3f} / "
-        f"{r['plain_wall_s']:.3f} s" for r in doc["rows"]))
+        f"{r['plain_wall_s']:.3f} s, speculative row occupancy {r['occupancy']:.2f}" for r in doc["rows"]))
     lines.append(f"total {doc['total_s']:.0f} s")
     return "\n".join(lines)
 
