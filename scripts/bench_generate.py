@@ -8,12 +8,14 @@ Models (random weights, the same in every path): the target has Llama-3.2-1B's s
 32 heads, 8 KV heads, intermediate 8192, vocab 128256, tied embeddings); the draft is the target's first
 ``--draft-layers`` layers with its embedding, final norm and head (no copy). Random weights give no realistic
 acceptance by themselves, so the target's later layers are damped: their attention and MLP output projections are
-scaled by a factor s, found by bisection so that the acceptance of a short eager greedy speculative run (8 random
-prompts at batch 8, 128 tokens) is at least ``--alpha`` (default 0.75). One calibration serves every batch size;
-the measured alpha of each batch is reported with whether it lies in the realistic 0.5 to 0.9. Greedy generation with random weights tends to fall
-into repeated tokens, so the acceptance of generated text, not a teacher-forced agreement, is what is calibrated.
-The target still computes every layer at full cost; only the numbers change. The measured alpha of the real runs
-is reported beside it.
+scaled by a factor s. s is calibrated per batch size, on the very requests that are timed: bisection on the
+acceptance of the compiled speculative generator's own greedy run of them (256 tokens each; the CUDA graphs read
+the weights in place, so a new s needs no recompile), to the s whose acceptance is closest to ``--alpha`` (default
+0.75) from above. Greedy generation with random weights falls into repeated tokens at rates that depend on the
+prompt (one calibration shared by all batch sizes, on 8 other prompts at 0.80, gave 0.96 on the batch-1 prompt),
+so only a calibration on the measured requests keeps every batch's alpha in the realistic 0.5 to 0.9, which each
+row checks. The target still computes every layer at full cost; only the numbers change. The target-only run of a
+batch uses the same s.
 
 When the models package provides `load_model` (Hugging Face checkpoints), the weights are made by transformers'
 `LlamaForCausalLM`, damped there, saved and loaded by `load_model`, so transformers' `generate` (target-only, and
@@ -61,7 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--draft-layers", type=int, default=None, help="default 2 (1 with --quick)")
-    p.add_argument("--alpha", type=float, default=0.75, help="the teacher-forced agreement to calibrate to")
+    p.add_argument("--alpha", type=float, default=0.75,
+                   help="the acceptance (of the timed requests' own speculative run) to calibrate to, per batch")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     p.add_argument("--full-split", nargs="?", const="all", default=None,
                    help="also time the target and verification parts (at these comma-separated batch sizes, or all)")
@@ -103,17 +106,30 @@ def _damped_modules(layers, keep: int):
 MAX_SCALE = 8.0 ** 5
 
 
-@torch.no_grad()
-def calibrate(weights, measure, alpha: float, steps: int = 8) -> tuple[float, float]:
-    """Scales `weights` (in place) by the s in (0, MAX_SCALE] whose measured acceptance measure() is closest to
-    alpha from above (bisection; acceptance grows as s shrinks: s < 1 damps the later layers, s > 1 strengthens
-    them). Random later layers can matter so little that s must grow by orders of magnitude: the upper end of the
-    bracket grows by 8x until the acceptance falls below alpha. Returns (s, its acceptance)."""
-    originals = [w.clone() for w in weights]
+class Damping:
+    """The output projections of the target's layers past the draft's (or transformers' copy of them), scaled
+    together by s from their original values, in place."""
+
+    def __init__(self, weights: list[torch.Tensor]):
+        self.weights = weights
+        self.originals = [w.detach().clone() for w in weights]
+        self.scale = 1.0
+
+    @torch.no_grad()
+    def set(self, scale: float) -> None:
+        for w, o in zip(self.weights, self.originals):
+            w.copy_(o * scale)
+        self.scale = scale
+
+
+def calibrate(damping: Damping, measure, alpha: float, steps: int = 8) -> tuple[float, float]:
+    """Sets `damping` to the s in (0, MAX_SCALE] whose measured acceptance measure() is closest to alpha from
+    above (bisection; acceptance grows as s shrinks: s < 1 damps the later layers, s > 1 strengthens them). Random
+    later layers can matter so little that s must grow by orders of magnitude: the upper end of the bracket grows
+    by 8x until the acceptance falls below alpha. Returns (s, its acceptance)."""
 
     def set_scale(scale):
-        for w, o in zip(weights, originals):
-            w.copy_(o * scale)
+        damping.set(scale)
         return measure()
 
     low, high = (1.0, 8.0) if set_scale(1.0) >= alpha else (0.0, 1.0)
@@ -130,28 +146,9 @@ def calibrate(weights, measure, alpha: float, steps: int = 8) -> tuple[float, fl
     return low, set_scale(low)
 
 
-def generation_acceptance(target, draft, prompts, args, device: str):
-    """The acceptance of a short eager greedy speculative run (what calibration aims at): greedy generation with
-    random weights often falls into repeated tokens, which a teacher-forced agreement would not see."""
-    k = args.k
-    new_tokens = min(128, args.new_tokens)
-    config = GeneratorConfig(num_speculative_tokens=k, method="greedy", max_num_reqs=len(prompts),
-                             max_model_len=-(-(args.prompt_len + new_tokens + k + 1) // 16) * 16, block_size=16,
-                             batch_sizes=(len(prompts),), read_every=8)
-    generator = Generator(target, draft, config, device=device, compile=False, cuda_graphs=False)
-
-    def measure():
-        return generator.generate([Request(p, new_tokens) for p in prompts]).metrics.acceptance_rate
-
-    return measure
-
-
 def build_models(args, shapes: dict, dtype: torch.dtype, device: str, workdir: Path):
-    """(target, draft, hf_target or None, hf_draft or None, damping scale, calibration acceptance)."""
+    """(target, draft, hf_target or None, hf_draft or None, the target's Damping, transformers' or None)."""
     load_model = _models_api()
-    gen = torch.Generator(device="cpu").manual_seed(2)
-    calib_prompts = [torch.randint(0, shapes["vocab_size"], (args.prompt_len,), generator=gen).tolist()
-                     for _ in range(8)]
     hf = hf_draft = None
     if load_model is not None and not args.no_hf:
         import transformers
@@ -196,29 +193,36 @@ def build_models(args, shapes: dict, dtype: torch.dtype, device: str, workdir: P
             from support import prefix_draft
 
             draft = prefix_draft(target, args.draft_layers)
-    scale, acceptance = calibrate(_damped_modules(target.layers, args.draft_layers),
-                                  generation_acceptance(target, draft, calib_prompts, args, device), args.alpha)
-    if hf is not None:  # the same damping on transformers' copy: the same bf16 products
-        with torch.no_grad():
-            for w in _damped_modules(hf.model.layers, args.draft_layers):
-                w.copy_(w * scale)
-    return target, draft, hf, hf_draft, scale, acceptance
+    hf_damping = Damping(_damped_modules(hf.model.layers, args.draft_layers)) if hf is not None else None
+    return target, draft, hf, hf_draft, Damping(_damped_modules(target.layers, args.draft_layers)), hf_damping
 
 
 # --- runs ---------------------------------------------------------------------------------------------------
 
 
-def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool):
+def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool, damping: Damping,
+            hf_damping: Damping | None):
+    """Calibrates the damping on this batch's requests, then times target-only and speculative generation."""
     k = args.k
     max_model_len = -(-(args.prompt_len + args.new_tokens + k + 1) // 16) * 16
     config = GeneratorConfig(num_speculative_tokens=k, method="greedy", max_num_reqs=batch,
                              max_model_len=max_model_len, block_size=16, batch_sizes=(batch,), read_every=8)
     requests = [Request(p, args.new_tokens) for p in prompts[:batch]]
     full_split = args.full_split == "all" or (args.full_split and str(batch) in args.full_split.split(","))
-    results = {}
+    t0 = time.perf_counter()
+    spec = Generator(target, draft, config, device=device, compile=compile)
+    spec.warm_up()
+    scale, acceptance = calibrate(damping, lambda: spec.generate(requests).metrics.acceptance_rate, args.alpha)
+    if hf_damping is not None:  # the same damping on transformers' copy: the same bf16 products
+        hf_damping.set(scale)
+    calibration = dict(damping=scale, calibration_acceptance=acceptance, calibration_s=time.perf_counter() - t0)
+    print(f"  [{time.strftime('%H:%M:%S')}] batch {batch}: damping s = {scale:.4f}, acceptance {acceptance:.3f} "
+          f"({calibration['calibration_s']:.1f} s with the compile)", file=sys.stderr, flush=True)
+    results = dict(calibration=calibration)
     for name, model_draft in (("plain", None), ("spec", draft)):
         t0 = time.perf_counter()
-        generator = Generator(target, model_draft, config, device=device, compile=compile)
+        generator = spec if model_draft is not None else Generator(target, None, config, device=device,
+                                                                     compile=compile)
         generator.warm_up()
         wait_for(args.timed_after)
         # The target and verification parts are timed only with --full-split (each is one more compile per size).
@@ -278,15 +282,14 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
-        target, draft, hf, hf_draft, scale, agreement = build_models(args, shapes, dtype, device, Path(workdir))
-    print(f"models ready in {time.perf_counter() - started:.1f} s; damping s = {scale:.4f}, calibration "
-          f"acceptance {agreement:.3f}", file=sys.stderr, flush=True)
+        target, draft, hf, hf_draft, damping, hf_damping = build_models(args, shapes, dtype, device, Path(workdir))
+    print(f"models ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, shapes["vocab_size"], (args.prompt_len,), generator=gen).tolist()
                for _ in range(max(batches))]
     rows, k = [], args.k
     for batch in batches:
-        result = our_run(target, draft, args, batch, prompts, device, compile)
+        result = our_run(target, draft, args, batch, prompts, device, compile, damping, hf_damping)
         plain, spec = result["plain"]["out"].metrics, result["spec"]["out"].metrics
         alpha = spec.acceptance_rate
         c = result["spec"]["split"]["draft"] / k / result["plain"]["split"]["round"]
@@ -294,7 +297,8 @@ def main(argv=None) -> int:
         measured = spec.tokens_per_s / plain.tokens_per_s
         same = sum(a.token_ids == b.token_ids for a, b in zip(result["spec"]["out"].requests,
                                                                result["plain"]["out"].requests))
-        row = dict(batch=batch, plain_tokens_per_s=plain.tokens_per_s, spec_tokens_per_s=spec.tokens_per_s,
+        row = dict(batch=batch, **result["calibration"], plain_tokens_per_s=plain.tokens_per_s,
+                   spec_tokens_per_s=spec.tokens_per_s,
                    alpha=alpha, alpha_realistic=alpha is not None and 0.5 <= alpha <= 0.9,
                    acceptance_per_position=spec.acceptance_per_position, rounds=spec.rounds,
                    plain_rounds=plain.rounds, admission_share=spec.admission_share,
@@ -316,8 +320,8 @@ def main(argv=None) -> int:
         rows.append(row)
         document = dict(device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
                         torch=torch.__version__, dtype=str(dtype), shapes=shapes, k=k, prompt_len=args.prompt_len,
-                        new_tokens=args.new_tokens, draft_layers=args.draft_layers, damping=scale,
-                        calibrated_agreement=agreement, compile=compile, rows=rows,
+                        new_tokens=args.new_tokens, draft_layers=args.draft_layers, calibration_alpha=args.alpha,
+                        compile=compile, rows=rows,
                         total_s=time.perf_counter() - started)
         print(markdown(document), file=sys.stderr, flush=True)  # what is done so far survives a time limit
         if args.json and args.json != "-":
@@ -337,8 +341,8 @@ def markdown(doc) -> str:
 
     lines = [f"## bench_generate: {doc['device']}, torch {doc['torch']}, {doc['dtype']}, k = {doc['k']}, "
              f"prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, draft = target's first "
-             f"{doc['draft_layers']} layers (later layers damped by s = {doc['damping']:.4f}, one calibration for "
-             f"every batch; calibration run's acceptance {doc['calibrated_agreement']:.3f})", "",
+             f"{doc['draft_layers']} layers (the target's later layers damped by s, calibrated per batch on the "
+             f"timed requests to an acceptance >= {doc['calibration_alpha']})", "",
              "| batch | target-only tok/s | speculative tok/s | alpha (in 0.5-0.9) | mean emitted | c | speedup | "
              "predicted | efficiency | host share (admissions + waiting) | target-only host share | "
              "greedy identical | HF target-only tok/s (dynamic / static) | HF assisted tok/s | "
@@ -365,7 +369,8 @@ def markdown(doc) -> str:
         + f", target-only round {r['plain_round_ms']:.3f}" for r in doc["rows"]))
     lines.append("rounds (speculative / target-only) and wall s: " + "; ".join(
         f"batch {r['batch']}: {r['rounds']} / {r['plain_rounds']} rounds, {r['spec_wall_s']:.3f} / "
-        f"{r['plain_wall_s']:.3f} s, speculative row occupancy {r['occupancy']:.2f}" for r in doc["rows"]))
+        f"{r['plain_wall_s']:.3f} s, speculative row occupancy {r['occupancy']:.2f}, damping s = {r['damping']:.4g}"
+        for r in doc["rows"]))
     lines.append(f"total {doc['total_s']:.0f} s")
     return "\n".join(lines)
 
