@@ -702,9 +702,10 @@ class Generator:
         if self.cuda_graphs:
             return self._prefill_replayed(name, block_rows, ids, positions, token_rows, keep)
         model, kv_caches = self._model(name)
+        chunk = PREFILL_CHUNK_CUDA if self.device.type == "cuda" else PREFILL_CHUNK
         hidden = []
-        for begin in range(0, ids.shape[0], PREFILL_CHUNK_CUDA if self.device.type == "cuda" else PREFILL_CHUNK):
-            end = begin + (PREFILL_CHUNK_CUDA if self.device.type == "cuda" else PREFILL_CHUNK)
+        for begin in range(0, ids.shape[0], chunk):
+            end = begin + chunk
             out = self._prefill_forward(model, kv_caches, block_rows, ids[begin:end], positions[begin:end],
                                         token_rows[begin:end])
             if keep:
