@@ -337,7 +337,7 @@ def markdown(doc) -> str:
         return "-" if value is None else pattern.format(value)
 
     def ratio(ours, theirs):
-        return "-" if not theirs else f"{ours / theirs:.0f}x"
+        return "-" if not theirs else f"{ours / theirs:.1f}x"
 
     lines = [f"## bench_generate: {doc['device']}, torch {doc['torch']}, {doc['dtype']}, k = {doc['k']}, "
              f"prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, draft = target's first "
