@@ -8,22 +8,31 @@ Models (random weights, the same in every path): the target has Llama-3.2-1B's s
 32 heads, 8 KV heads, intermediate 8192, vocab 128256, tied embeddings); the draft is the target's first
 ``--draft-layers`` layers with its embedding, final norm and head (no copy). Random weights give no realistic
 acceptance by themselves, so the target's later layers are damped: their attention and MLP output projections are
-scaled by a factor s, found by bisection so that the acceptance of a short eager greedy speculative run (4 random
-prompts, 64 tokens) is at least ``--alpha`` (default 0.75). Greedy generation with random weights tends to fall
-into repeated tokens, so the acceptance of generated text, not a teacher-forced agreement, is what is calibrated.
-The target still computes every layer at full cost; only the numbers change. The measured alpha of the real runs
-is reported beside it.
+scaled by a factor s. s is calibrated per batch size, on the very requests that are timed: bisection on the
+acceptance of the compiled speculative generator's own greedy run of them (256 tokens each; the CUDA graphs read
+the weights in place, so a new s needs no recompile), to the s whose acceptance is closest to ``--alpha`` (default
+0.75) from above. Greedy generation with random weights falls into repeated tokens at rates that depend on the
+prompt (one calibration shared by all batch sizes, on 8 other prompts at 0.80, gave 0.96 on the batch-1 prompt),
+so only a calibration on the measured requests keeps every batch's alpha in the realistic 0.5 to 0.9, which each
+row checks. The target still computes every layer at full cost; only the numbers change. The target-only run of a
+batch uses the same s.
 
 When the models package provides `load_model` (Hugging Face checkpoints), the weights are made by transformers'
 `LlamaForCausalLM`, damped there, saved and loaded by `load_model`, so transformers' `generate` (target-only, and
 with ``assistant_model`` = its own first layers, k constant) runs on the same weights at batch 1. Otherwise the
 transformers rows are skipped.
 
-Per batch size: tokens/s of each path; alpha (accepted / tested drafts); c = draft step time / target step time,
+Per batch size, each path is warmed up (rounds compiled and captured, prefill graphs captured, then one short
+untimed generate of the same prompts, which JIT-compiles the admission's eager kernels at these shapes) and then
+timed over one generate call of all the batch's requests, admissions included. Reported: tokens/s of each path; alpha (accepted / tested drafts); c = draft step time / target step time,
 where the draft step is the propose part of a round divided by k and the target step is one target-only round
 (each timed as its own captured graph, CUDA events); the measured speedup (speculative / target-only tokens/s);
 Leviathan et al.'s prediction (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)); efficiency = measured / predicted;
-and the host share: the part of the speculative run's wall time in which no round group ran on the device.
+the host share: the part of the speculative run's wall time in which no round group ran on the device, split
+into the admissions (their CUDA-event spans: prefills, first tokens, state writes) and the rest (the device
+waiting for the host between groups). With --full-split the target and verification parts of a round are timed
+too (two more compiles per batch size), against the target-only round: Leviathan's formula takes the verify
+forward to cost one target step. The JSON (and the table on stderr) is rewritten after every batch size.
 """
 from __future__ import annotations
 
@@ -54,12 +63,17 @@ def parse_args(argv=None):
     p.add_argument("--prompt-len", type=int, default=None)
     p.add_argument("--new-tokens", type=int, default=None)
     p.add_argument("--draft-layers", type=int, default=None, help="default 2 (1 with --quick)")
-    p.add_argument("--alpha", type=float, default=0.75, help="the teacher-forced agreement to calibrate to")
+    p.add_argument("--alpha", type=float, default=0.75,
+                   help="the acceptance (of the timed requests' own speculative run) to calibrate to, per batch")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
-    p.add_argument("--full-split", action="store_true", help="also time the target and verification parts")
+    p.add_argument("--full-split", nargs="?", const="all", default=None,
+                   help="also time the target and verification parts (at these comma-separated batch sizes, or all)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the rounds (default: on CUDA only)")
     p.add_argument("--json", nargs="?", const="-", default=None, help="write JSON to this file ('-': stdout)")
+    p.add_argument("--timed-after", default=None, metavar="FILE",
+                   help="before each timed section, wait until FILE exists (a job sharing the machine, such as a "
+                        "test run, is then over; compiling may overlap it)")
     args = p.parse_args(argv)
     if args.k < 1:
         p.error("--k must be >= 1")
@@ -92,17 +106,30 @@ def _damped_modules(layers, keep: int):
 MAX_SCALE = 8.0 ** 5
 
 
-@torch.no_grad()
-def calibrate(weights, measure, alpha: float, steps: int = 8) -> tuple[float, float]:
-    """Scales `weights` (in place) by the s in (0, MAX_SCALE] whose measured acceptance measure() is closest to
-    alpha from above (bisection; acceptance grows as s shrinks: s < 1 damps the later layers, s > 1 strengthens
-    them). Random later layers can matter so little that s must grow by orders of magnitude: the upper end of the
-    bracket grows by 8x until the acceptance falls below alpha. Returns (s, its acceptance)."""
-    originals = [w.clone() for w in weights]
+class Damping:
+    """The output projections of the target's layers past the draft's (or transformers' copy of them), scaled
+    together by s from their original values, in place."""
+
+    def __init__(self, weights: list[torch.Tensor]):
+        self.weights = weights
+        self.originals = [w.detach().clone() for w in weights]
+        self.scale = 1.0
+
+    @torch.no_grad()
+    def set(self, scale: float) -> None:
+        for w, o in zip(self.weights, self.originals):
+            w.copy_(o * scale)
+        self.scale = scale
+
+
+def calibrate(damping: Damping, measure, alpha: float, steps: int = 8) -> tuple[float, float]:
+    """Sets `damping` to the s in (0, MAX_SCALE] whose measured acceptance measure() is closest to alpha from
+    above (bisection; acceptance grows as s shrinks: s < 1 damps the later layers, s > 1 strengthens them). Random
+    later layers can matter so little that s must grow by orders of magnitude: the upper end of the bracket grows
+    by 8x until the acceptance falls below alpha. Returns (s, its acceptance)."""
 
     def set_scale(scale):
-        for w, o in zip(weights, originals):
-            w.copy_(o * scale)
+        damping.set(scale)
         return measure()
 
     low, high = (1.0, 8.0) if set_scale(1.0) >= alpha else (0.0, 1.0)
@@ -119,28 +146,9 @@ def calibrate(weights, measure, alpha: float, steps: int = 8) -> tuple[float, fl
     return low, set_scale(low)
 
 
-def generation_acceptance(target, draft, prompts, args, device: str):
-    """The acceptance of a short eager greedy speculative run (what calibration aims at): greedy generation with
-    random weights often falls into repeated tokens, which a teacher-forced agreement would not see."""
-    k = args.k
-    new_tokens = min(64, args.new_tokens)
-    config = GeneratorConfig(num_speculative_tokens=k, method="greedy", max_num_reqs=len(prompts),
-                             max_model_len=-(-(args.prompt_len + new_tokens + k + 1) // 16) * 16, block_size=16,
-                             batch_sizes=(len(prompts),), read_every=8)
-    generator = Generator(target, draft, config, device=device, compile=False, cuda_graphs=False)
-
-    def measure():
-        return generator.generate([Request(p, new_tokens) for p in prompts]).metrics.acceptance_rate
-
-    return measure
-
-
 def build_models(args, shapes: dict, dtype: torch.dtype, device: str, workdir: Path):
-    """(target, draft, hf_target or None, hf_draft or None, damping scale, calibration acceptance)."""
+    """(target, draft, hf_target or None, hf_draft or None, the target's Damping, transformers' or None)."""
     load_model = _models_api()
-    gen = torch.Generator(device="cpu").manual_seed(2)
-    calib_prompts = [torch.randint(0, shapes["vocab_size"], (args.prompt_len,), generator=gen).tolist()
-                     for _ in range(4)]
     hf = hf_draft = None
     if load_model is not None and not args.no_hf:
         import transformers
@@ -185,39 +193,54 @@ def build_models(args, shapes: dict, dtype: torch.dtype, device: str, workdir: P
             from support import prefix_draft
 
             draft = prefix_draft(target, args.draft_layers)
-    scale, acceptance = calibrate(_damped_modules(target.layers, args.draft_layers),
-                                  generation_acceptance(target, draft, calib_prompts, args, device), args.alpha)
-    if hf is not None:  # the same damping on transformers' copy: the same bf16 products
-        with torch.no_grad():
-            for w in _damped_modules(hf.model.layers, args.draft_layers):
-                w.copy_(w * scale)
-    return target, draft, hf, hf_draft, scale, acceptance
+    hf_damping = Damping(_damped_modules(hf.model.layers, args.draft_layers)) if hf is not None else None
+    return target, draft, hf, hf_draft, Damping(_damped_modules(target.layers, args.draft_layers)), hf_damping
 
 
 # --- runs ---------------------------------------------------------------------------------------------------
 
 
-def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool):
+def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool, damping: Damping,
+            hf_damping: Damping | None):
+    """Calibrates the damping on this batch's requests, then times target-only and speculative generation."""
     k = args.k
     max_model_len = -(-(args.prompt_len + args.new_tokens + k + 1) // 16) * 16
     config = GeneratorConfig(num_speculative_tokens=k, method="greedy", max_num_reqs=batch,
                              max_model_len=max_model_len, block_size=16, batch_sizes=(batch,), read_every=8)
     requests = [Request(p, args.new_tokens) for p in prompts[:batch]]
-    results = {}
+    full_split = args.full_split == "all" or (args.full_split and str(batch) in args.full_split.split(","))
+    t0 = time.perf_counter()
+    spec = Generator(target, draft, config, device=device, compile=compile)
+    spec.warm_up()
+    scale, acceptance = calibrate(damping, lambda: spec.generate(requests).metrics.acceptance_rate, args.alpha)
+    if hf_damping is not None:  # the same damping on transformers' copy: the same bf16 products
+        hf_damping.set(scale)
+    calibration = dict(damping=scale, calibration_acceptance=acceptance, calibration_s=time.perf_counter() - t0)
+    print(f"  [{time.strftime('%H:%M:%S')}] batch {batch}: damping s = {scale:.4f}, acceptance {acceptance:.3f} "
+          f"({calibration['calibration_s']:.1f} s with the compile)", file=sys.stderr, flush=True)
+    results = dict(calibration=calibration)
     for name, model_draft in (("plain", None), ("spec", draft)):
         t0 = time.perf_counter()
-        generator = Generator(target, model_draft, config, device=device, compile=compile)
+        generator = spec if model_draft is not None else Generator(target, None, config, device=device,
+                                                                     compile=compile)
         generator.warm_up()
+        wait_for(args.timed_after)
         # The target and verification parts are timed only with --full-split (each is one more compile per size).
         split = generator.measure_split(batch, repeats=5 if device == "cuda" else 2,
-                                        parts=("draft", "target", "verify") if args.full_split else ("draft",))
+                                        parts=("draft", "target", "verify") if full_split else ("draft",))
+        generator.generate([Request(p, 8) for p in prompts[:batch]])  # untimed: JIT of the admission's kernels
         warm = time.perf_counter() - t0
         out = generator.generate(requests)
         results[name] = dict(out=out, split=split, warm_up_s=warm)
-        print(f"  batch {batch} {name}: warm-up {warm:.1f} s, {out.metrics.tokens_per_s:.1f} tokens/s",
-              file=sys.stderr, flush=True)
+        print(f"  [{time.strftime('%H:%M:%S')}] batch {batch} {name}: warm-up {warm:.1f} s, "
+              f"{out.metrics.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
         del generator
     return results
+
+
+def wait_for(path: str | None) -> None:
+    while path is not None and not Path(path).exists():
+        time.sleep(0.5)
 
 
 @torch.no_grad()
@@ -234,6 +257,7 @@ def hf_run(hf, hf_draft, prompt, args, device: str, mode: str) -> float:
         hf_draft.generation_config.assistant_confidence_threshold = 0.0
         kwargs["assistant_model"] = hf_draft
     hf.generate(ids, **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})  # warm up
+    wait_for(args.timed_after)
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -258,15 +282,14 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as workdir:
-        target, draft, hf, hf_draft, scale, agreement = build_models(args, shapes, dtype, device, Path(workdir))
-    print(f"models ready in {time.perf_counter() - started:.1f} s; damping s = {scale:.4f}, calibration "
-          f"acceptance {agreement:.3f}", file=sys.stderr, flush=True)
+        target, draft, hf, hf_draft, damping, hf_damping = build_models(args, shapes, dtype, device, Path(workdir))
+    print(f"models ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, shapes["vocab_size"], (args.prompt_len,), generator=gen).tolist()
                for _ in range(max(batches))]
     rows, k = [], args.k
     for batch in batches:
-        result = our_run(target, draft, args, batch, prompts, device, compile)
+        result = our_run(target, draft, args, batch, prompts, device, compile, damping, hf_damping)
         plain, spec = result["plain"]["out"].metrics, result["spec"]["out"].metrics
         alpha = spec.acceptance_rate
         c = result["spec"]["split"]["draft"] / k / result["plain"]["split"]["round"]
@@ -274,8 +297,14 @@ def main(argv=None) -> int:
         measured = spec.tokens_per_s / plain.tokens_per_s
         same = sum(a.token_ids == b.token_ids for a, b in zip(result["spec"]["out"].requests,
                                                                result["plain"]["out"].requests))
-        row = dict(batch=batch, plain_tokens_per_s=plain.tokens_per_s, spec_tokens_per_s=spec.tokens_per_s,
-                   alpha=alpha, acceptance_per_position=spec.acceptance_per_position,
+        row = dict(batch=batch, **result["calibration"], plain_tokens_per_s=plain.tokens_per_s,
+                   spec_tokens_per_s=spec.tokens_per_s,
+                   alpha=alpha, alpha_realistic=alpha is not None and 0.5 <= alpha <= 0.9,
+                   acceptance_per_position=spec.acceptance_per_position, rounds=spec.rounds,
+                   plain_rounds=plain.rounds, admission_share=spec.admission_share,
+                   # live rows per round / batch: below 1 where requests that finished early leave rows idle
+                   occupancy=spec.row_rounds / (spec.rounds * batch) if spec.rounds else 0.0,
+                   plain_admission_share=plain.admission_share, spec_wall_s=spec.wall_s, plain_wall_s=plain.wall_s,
                    mean_emitted_per_round=spec.mean_emitted_per_round, c=c, speedup=measured,
                    predicted_speedup=predicted, efficiency=measured / predicted, host_share=spec.host_share,
                    plain_host_share=plain.host_share, split_ms=result["spec"]["split"],
@@ -289,16 +318,17 @@ def main(argv=None) -> int:
                     row[f"hf_{mode}_tokens_per_s"] = None
                     row[f"hf_{mode}_error"] = f"{type(error).__name__}: {error}"[:200]
         rows.append(row)
-    document = dict(device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-                    torch=torch.__version__, dtype=str(dtype), shapes=shapes, k=k, prompt_len=args.prompt_len,
-                    new_tokens=args.new_tokens, draft_layers=args.draft_layers, damping=scale,
-                    calibrated_agreement=agreement, compile=compile, rows=rows,
-                    total_s=time.perf_counter() - started)
+        document = dict(device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+                        torch=torch.__version__, dtype=str(dtype), shapes=shapes, k=k, prompt_len=args.prompt_len,
+                        new_tokens=args.new_tokens, draft_layers=args.draft_layers, calibration_alpha=args.alpha,
+                        compile=compile, rows=rows,
+                        total_s=time.perf_counter() - started)
+        print(markdown(document), file=sys.stderr, flush=True)  # what is done so far survives a time limit
+        if args.json and args.json != "-":
+            Path(args.json).write_text(json.dumps(document, indent=2))
     print(markdown(document))
     if args.json == "-":
         print(json.dumps(document, indent=2))
-    elif args.json:
-        Path(args.json).write_text(json.dumps(document, indent=2))
     return 0
 
 
@@ -306,27 +336,41 @@ def markdown(doc) -> str:
     def f(value, pattern="{:.1f}"):
         return "-" if value is None else pattern.format(value)
 
+    def ratio(ours, theirs):
+        return "-" if not theirs else f"{ours / theirs:.1f}x"
+
     lines = [f"## bench_generate: {doc['device']}, torch {doc['torch']}, {doc['dtype']}, k = {doc['k']}, "
              f"prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, draft = target's first "
-             f"{doc['draft_layers']} layers (later layers damped by s = {doc['damping']:.4f}; calibration run's "
-             f"acceptance {doc['calibrated_agreement']:.3f})", "",
-             "| batch | target-only tok/s | speculative tok/s | alpha | mean emitted | c | speedup | predicted | "
-             "efficiency | host share | greedy identical | HF target-only tok/s (dynamic / static) | "
-             "HF assisted tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"{doc['draft_layers']} layers (the target's later layers damped by s, calibrated per batch on the "
+             f"timed requests to an acceptance >= {doc['calibration_alpha']})", "",
+             "| batch | target-only tok/s | speculative tok/s | alpha (in 0.5-0.9) | mean emitted | c | speedup | "
+             "predicted | efficiency | host share (admissions + waiting) | target-only host share | "
+             "greedy identical | HF target-only tok/s (dynamic / static) | HF assisted tok/s | "
+             "spec vs HF fastest target-only / assisted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
+        fastest = max([v for v in (r.get("hf_dynamic_tokens_per_s"), r.get("hf_static_tokens_per_s")) if v],
+                      default=None)
         lines.append(
-            f"| {r['batch']} | {f(r['plain_tokens_per_s'])} | {f(r['spec_tokens_per_s'])} | {f(r['alpha'], '{:.3f}')} "
+            f"| {r['batch']} | {f(r['plain_tokens_per_s'])} | {f(r['spec_tokens_per_s'])} | "
+            f"{f(r['alpha'], '{:.3f}')} ({'yes' if r['alpha_realistic'] else 'no'}) "
             f"| {f(r['mean_emitted_per_round'], '{:.2f}')} | {f(r['c'], '{:.3f}')} | {f(r['speedup'], '{:.2f}x')} | "
             f"{f(r['predicted_speedup'], '{:.2f}x')} | {f(r['efficiency'], '{:.2f}')} | "
-            f"{f(r['host_share'], '{:.1%}')} | {r['identical_requests']} | "
+            f"{f(r['host_share'], '{:.1%}')} ({f(r['admission_share'], '{:.1%}')} + "
+            f"{f(r['host_share'] - r['admission_share'], '{:.1%}')}) | {f(r['plain_host_share'], '{:.1%}')} | "
+            f"{r['identical_requests']} | "
             f"{f(r.get('hf_dynamic_tokens_per_s'))} / {f(r.get('hf_static_tokens_per_s'))} | "
-            f"{f(r.get('hf_assisted_tokens_per_s'))} |")
+            f"{f(r.get('hf_assisted_tokens_per_s'))} | {ratio(r['spec_tokens_per_s'], fastest)} / "
+            f"{ratio(r['spec_tokens_per_s'], r.get('hf_assisted_tokens_per_s'))} |")
     lines.append("")
     lines.append("split per round (ms; each part is its own compiled graph, timed over 5 replays by CUDA events, "
                  "by the wall clock on CPU): " + "; ".join(
         f"batch {r['batch']}: " + ", ".join(f"{name} {ms:.3f}" for name, ms in r["split_ms"].items())
         + f", target-only round {r['plain_round_ms']:.3f}" for r in doc["rows"]))
+    lines.append("rounds (speculative / target-only) and wall s: " + "; ".join(
+        f"batch {r['batch']}: {r['rounds']} / {r['plain_rounds']} rounds, {r['spec_wall_s']:.3f} / "
+        f"{r['plain_wall_s']:.3f} s, speculative row occupancy {r['occupancy']:.2f}, damping s = {r['damping']:.4g}"
+        for r in doc["rows"]))
     lines.append(f"total {doc['total_s']:.0f} s")
     return "\n".join(lines)
 

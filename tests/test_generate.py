@@ -155,16 +155,17 @@ class RecordingGenerator(Generator):
         super().__init__(*args, **kwargs)
         self.admissions = []
 
-    def _admit(self, slot, request):
+    def _admit(self, slots, requests):
         live = {s: self.block_table.blocks(s) for s in range(self.num_slots) if self.block_table.blocks(s)}
-        assert slot not in live, f"slot {slot} admitted while it still holds blocks"
+        assert not set(slots) & set(live), f"slots {slots} admitted while one still holds blocks"
+        assert len(set(slots)) == len(slots)
         live_blocks = [b for blocks in live.values() for b in blocks]
         assert len(live_blocks) == len(set(live_blocks))
-        result = super()._admit(slot, request)
-        new = self.block_table.blocks(slot)
-        assert not set(new) & set(live_blocks), "a new request got a live request's block"
-        self.admissions.append((slot, tuple(new)))
-        return result
+        super()._admit(slots, requests)
+        new_blocks = [b for slot in slots for b in self.block_table.blocks(slot)]
+        assert len(new_blocks) == len(set(new_blocks)), "two admitted requests share a block"
+        assert not set(new_blocks) & set(live_blocks), "a new request got a live request's block"
+        self.admissions.extend((slot, tuple(self.block_table.blocks(slot))) for slot in slots)
 
 
 def test_slot_and_block_reuse_keeps_live_requests_intact(target, draft):
@@ -184,6 +185,42 @@ def test_slot_and_block_reuse_keeps_live_requests_intact(target, draft):
     assert untouched, "test setup: some blocks should stay unused"
     for cache in generator.kv_caches + generator.proposer.kv_caches:
         assert cache.view(generator.num_blocks, generator.block_size, -1)[untouched].eq(0).all()
+
+
+@pytest.mark.parametrize("read_every, overlap", [(1, False), (1, True), (3, True), (5, False), (5, True)])
+def test_overlapped_host_loop_gives_the_same_outputs(target, draft, read_every, overlap):
+    # 9 requests through 3 slots (joins and leaves), some stopping at an EOS mid-group, one at its first token:
+    # whether the host runs a group behind the device, and how many rounds a group holds, changes nothing.
+    k = 2
+    requests = mixed_requests(41, 9)
+    refs = [greedy_reference(target, r.prompt_ids, r.max_new_tokens) for r in requests]
+    for index in [i for i, ref in enumerate(refs) if len(ref) > 3 and i != 7][:3]:  # stop at their 3rd token's
+        requests[index].eos_token_id = refs[index][2]  # first occurrence
+    requests[7].eos_token_id = refs[7][0]  # stops at its first token
+    want = []
+    for request, ref in zip(requests, refs):
+        eos = request.eos_token_id
+        want.append(ref[: ref.index(eos) + 1] if eos is not None else ref)
+    config = small_config(k, read_every=read_every, overlap=overlap, max_model_len=64)
+    out = Generator(target, draft, config, device="cpu", compile=False).generate(requests)
+    assert [r.token_ids for r in out.requests] == want
+    for request, result in zip(requests, out.requests):
+        stopped_at_eos = request.eos_token_id is not None and result.token_ids[-1] == request.eos_token_id
+        assert result.finish_reason == ("eos" if stopped_at_eos else "max_tokens")
+    assert sum(r.finish_reason == "eos" for r in out.requests) >= 2
+    plain = Generator(target, None, config, device="cpu", compile=False).generate(requests)
+    assert [r.token_ids for r in plain.requests] == want
+
+
+def test_target_only_runs_no_round_past_the_last_token(target):
+    # One token per live row and round: the host sizes every group from what the requests still need, so a
+    # request of n new tokens (the first from its prefill) takes exactly n - 1 rounds, however groups fall.
+    for read_every in (1, 4, 7):
+        config = small_config(1, read_every=read_every, batch_sizes=(3,))
+        out = Generator(target, None, config, device="cpu", compile=False).generate([Request([1, 2, 3], 17)])
+        assert len(out.requests[0].token_ids) == 17
+        assert out.metrics.rounds == 16 and out.metrics.row_rounds == 16
+        assert 0.0 <= out.metrics.admission_share <= out.metrics.host_share <= 1.0
 
 
 def test_typical_acceptance_runs_and_stops(target, draft):
@@ -329,6 +366,11 @@ def test_cuda_one_graph_per_size_no_recompiles_and_greedy_identity():
     target, draft = cuda_models()
     config = small_config(3, max_num_reqs=4, batch_sizes=(2, 4), max_model_len=64)
     requests = mixed_requests(5, 9)
+    wants = [greedy_reference(target, r.prompt_ids, r.max_new_tokens) for r in requests]
+    # The first two requests of 4 tokens or more stop at an EOS (their 3rd token's first occurrence), mid-group.
+    for index in [i for i, want in enumerate(wants) if len(want) > 3][:2]:
+        requests[index].eos_token_id = wants[index][2]
+        wants[index] = wants[index][: wants[index].index(wants[index][2]) + 1]
     outputs = {}
     for name, model_draft in (("speculative", draft), ("target-only", None)):
         generator = Generator(target, model_draft, config, device="cuda")
@@ -336,13 +378,16 @@ def test_cuda_one_graph_per_size_no_recompiles_and_greedy_identity():
         assert set(generator.runner.graphs) == {(2,), (4,)}  # one CUDA graph per padded size, whole round
         with torch._dynamo.config.patch(error_on_recompile=True):
             outputs[name] = generator.generate(requests)
+            # The same graphs with the host waiting for every single round: the same outputs.
+            generator.config = dataclasses.replace(config, read_every=1, overlap=False)
+            outputs[name + ", synchronous"] = generator.generate(requests)
         assert set(generator.runner.graphs) == {(2,), (4,)}  # the live batch changed; nothing was re-recorded
-    for index, request in enumerate(requests):
-        spec, plain = outputs["speculative"].requests[index], outputs["target-only"].requests[index]
-        assert spec.token_ids == plain.token_ids, f"request {index}: speculative != target-only"
-        want = greedy_reference(target, request.prompt_ids, request.max_new_tokens)
-        assert plain.token_ids == want, f"request {index}: target-only != the dense cache-free reference"
+    for index, want in enumerate(wants):
+        got = {name: out.requests[index].token_ids for name, out in outputs.items()}
+        assert got["target-only"] == want, f"request {index}: target-only != the dense cache-free reference"
+        assert all(tokens == want for tokens in got.values()), f"request {index}: {got} != {want}"
     assert outputs["speculative"].metrics.acceptance_rate > 0.3
+    assert 0.0 <= outputs["speculative"].metrics.admission_share <= outputs["speculative"].metrics.host_share
 
 
 @pytest.mark.cuda
@@ -354,10 +399,9 @@ def test_cuda_rounds_do_not_sync():
     generator.warm_up()
     requests = [Request([3 + i] * (1 + 3 * i), 20) for i in range(4)]
     prepared = [generator._prepare(i, r) for i, r in enumerate(requests)]
-    for slot, request in enumerate(prepared):
-        assert generator._admit(slot, request)
     torch.cuda.synchronize()
-    with sync_forbidden():  # the rounds themselves: no host sync at all
+    with sync_forbidden():  # admission (prefills, first tokens, device state) and the rounds: no host sync
+        generator._admit(list(range(4)), prepared)
         for _ in range(6):
             generator.runner.run(4)
     torch.cuda.synchronize()

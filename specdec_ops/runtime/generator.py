@@ -7,13 +7,16 @@ fixed set of request slots. Row r of every round is slot r: a round at padded si
 device flag ``active[slot]`` says which rows are live, so requests joining and leaving change tensor contents
 only, never shapes (no recompilation, no re-recording).
 
-Prefill (host-driven, eager, outside the round graph): when a request takes a free slot it gets all the KV
-blocks it can ever need, the target runs its prompt through the target cache (in chunks of PREFILL_CHUNK tokens)
-and samples the first token, and the draft runs the prompt minus its last token through the draft cache. The
-slot's device state is then set: its tokens, ``length`` (prompt + generated), ``cap`` (where it stops),
-``last_token`` and the proposer's query for the first round: [last prompt token, k placeholders] at the last
-prompt position with all k "rejected", so the proposer's step 0 writes the last prompt token's draft KV, then
-the first token's, and drafts from there.
+Prefill (host-driven, eager, outside the round graph; `_admit`): the requests that take free slots together get
+all the KV blocks they can ever need, and are prefilled together: their prompts are packed into target forwards
+of up to PREFILL_CHUNK tokens (PREFILL_CHUNK_CUDA on CUDA), each token attending to its own request's cache; the
+target samples each first token, and the draft runs each prompt minus its last token through the draft cache.
+The slots' device state is then set on the device: tokens, ``length`` (prompt + generated), ``cap`` (where it
+stops), ``last_token``, the stop flags (a first token that is the EOS stops its request) and the proposer's query
+for the first round: [last prompt token, k placeholders] at the last prompt position with all k "rejected", so
+the proposer's step 0 writes the last prompt token's draft KV, then the first token's, and drafts from there.
+Admission never waits for the device: its host values travel in pinned memory with non-blocking copies, and
+nothing is read back.
 
 A speculative round (`_round`, one torch.compile(fullgraph) graph and, on CUDA, one CUDA graph per B):
 
@@ -33,10 +36,14 @@ A speculative round (`_round`, one torch.compile(fullgraph) graph and, on CUDA, 
 A target-only round (`_plain_round`) is step 2 with one token per row (uniform_query_len = 1), ``sample_draft``
 on the logits (argmax for temperature 0, a seeded draw otherwise), and step 4.
 
-The host (`generate`) launches ``read_every`` rounds, copies ``length``, ``stop_reason`` and ``tokens`` to
-pinned host memory with an event, launches the next group of rounds, and only then waits for the event of the
-previous group: it retires finished requests (their slots and blocks are freed), admits waiting ones into free
-slots, and reports progress, while the device runs ahead. No round reads anything on the host.
+The host (`generate`, `_HostLoop`) runs groups: a group is up to ``read_every`` round replays, then a copy of
+``length``, ``stop_reason`` and ``tokens`` into one of two pinned host buffer sets, with an event. It keeps two
+groups queued: it launches the next group before it waits for the oldest group's event, then reads that snapshot,
+retires the requests it shows stopped (their slots and blocks are freed), admits waiting ones into free slots
+and reports progress, while the device runs the next group. A request that stopped on the device while the host
+was a group behind has emitted nothing since (its row is inactive), so its tokens are read exactly; snapshots
+taken before a slot's admission are skipped for it. The last groups are sized from the rounds the live requests
+are expected to need, so few rounds run with no live row. No round reads anything on the host.
 
 Stopping and max_model_len. A round writes KV at positions up to ``length - 1 + k`` (target and draft alike), so
 a request's length is capped at ``min(prompt + max_new_tokens, max_model_len - k)``: it finishes ("length") before
@@ -74,8 +81,13 @@ STOP_NAMES = {STOP_EOS: "eos", STOP_MAX_TOKENS: "max_tokens", STOP_LENGTH: "leng
 # position plus this offset: the draft draws at the positions of the tokens it is fed, and a shared random number
 # would correlate a draft with the token it continues, which biases rejection sampling.
 TARGET_STREAM_OFFSET = 1 << 40
-# Prompt tokens per prefill forward: longer prompts are prefilled in chunks (bounds the attention's [T, C] work).
+# Prompt tokens per prefill forward (the admitted prompts are packed, longer ones split): on the CPU the attention
+# is the reference gather, which builds [T, C] context slots; on CUDA the Triton kernel reads the cache in place.
 PREFILL_CHUNK = 256
+PREFILL_CHUNK_CUDA = 2048
+# With CUDA graphs, a prefill forward replays a graph captured at its token count padded to a power of two from
+# PREFILL_MIN_GRAPH to PREFILL_CHUNK_CUDA (padding tokens write only the null block).
+PREFILL_MIN_GRAPH = 16
 
 
 @dataclass(frozen=True)
@@ -90,7 +102,9 @@ class GeneratorConfig:
     max_model_len: the longest sequence (prompt + generated) the caches hold.
     block_size: cache slots per KV block (both caches).
     batch_sizes: padded batch sizes, one graph each (default: powers of two up to max_num_reqs, and it).
-    read_every: rounds between two reads of the device state by the host.
+    read_every: rounds per group: the host reads the device state once per group.
+    overlap: the host keeps two groups queued, launching the next one before it reads the previous one's
+        snapshot (False: it waits for each group before launching the next; the outputs are the same).
     """
 
     num_speculative_tokens: int = 4
@@ -100,6 +114,7 @@ class GeneratorConfig:
     block_size: int = 16
     batch_sizes: Sequence[int] | None = None
     read_every: int = 4
+    overlap: bool = True
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
 
@@ -138,13 +153,17 @@ class GenerationMetrics:
     """What one `Generator.generate` call measured.
 
     generated_tokens: all requests' generated tokens. wall_s: the call's wall time (warm-up excluded);
-    prefill_s: host time spent in prefills; tokens_per_s = generated_tokens / wall_s. rounds: rounds run;
+    prefill_s: host time spent queuing admissions (the prefills run on the device meanwhile); tokens_per_s =
+    generated_tokens / wall_s. rounds: rounds run;
     row_rounds: (live row, round) pairs; mean_emitted_per_round: tokens emitted per live row and round.
     acceptance_per_position[i]: share of live row-rounds whose draft i + 1 was accepted (a prefix: draft i + 1
     accepted implies drafts 1..i were); acceptance_rate: accepted / tested drafts, where a row-round tests its
     drafts up to and including the first rejected one (the per-draft alpha of Leviathan et al.).
     host_share: share of wall time in which no round ran on the device (CUDA: wall minus the CUDA-event time of
-    the round groups; CPU: wall minus the time inside the round calls). split_ms: per-round time of the draft,
+    the round groups; CPU: wall minus the time inside the round calls); admissions count in it.
+    admission_share: the part of it spent in admissions (CUDA: the CUDA-event spans from an admission's first
+    prefill kernel to its last state write; CPU: host time), so host_share - admission_share is the device
+    waiting for the host between round groups. split_ms: per-round time of the draft,
     target and verification parts when `Generator.measure_split` filled it.
     """
 
@@ -162,6 +181,7 @@ class GenerationMetrics:
     acceptance_rate: float | None = None
     tokens_per_s: float = 0.0
     host_share: float = 0.0
+    admission_share: float = 0.0
     split_ms: dict[str, float] | None = None
 
 
@@ -209,6 +229,8 @@ class Generator:
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Generator: config.{name} must be an int >= 1, got {value!r}")
+        if not isinstance(config.overlap, bool):
+            raise ValueError(f"Generator: config.overlap must be a bool, got {config.overlap!r}")
         for name in ("posterior_threshold", "posterior_alpha"):
             value = getattr(config, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -236,9 +258,9 @@ class Generator:
             self.batch_sizes.append(self.num_slots)
         blocks_per_req = -(-self.max_model_len // self.block_size)
         self.num_blocks = 1 + self.num_slots * blocks_per_req
+        self.compile, self.cuda_graphs = compile, cuda_graphs
         self._allocate_state(blocks_per_req)
         step = self._round if self.speculative else self._plain_round
-        self.compile, self.cuda_graphs = compile, cuda_graphs
         self.runner = StepGraphs(step, device=device, compile=compile, cuda_graphs=cuda_graphs,
                                  num_sizes=len(self.batch_sizes), owner="Generator")
         self.warmed: set[int] = set()
@@ -296,6 +318,14 @@ class Generator:
         self._split_logits = None
         self._split_runners: dict[str, StepGraphs] = {}
         self.cap_host = [1] * slots  # each slot's cap, on the host
+        # Prefill graphs (CUDA graphs only): their inputs, padded; row `slots` of the block rows stays null.
+        self._prefill_graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if self.cuda_graphs:
+            size = PREFILL_CHUNK_CUDA
+            self._prefill_ids = zeros(size, dtype=torch.int64)
+            self._prefill_positions = zeros(size, dtype=torch.int64)
+            self._prefill_rows = torch.full((size,), slots, dtype=torch.int64, device=device)
+            self._prefill_block_rows = zeros(slots + 1, blocks_per_req, dtype=torch.int64)
 
     # --- one round (traced) ---------------------------------------------------------------------------
 
@@ -431,6 +461,7 @@ class Generator:
         """
         if self.active.any():
             raise RuntimeError("Generator.warm_up: requests are live; warm up before generating")
+        self._warm_up_prefill(progress)
         for batch in self.batch_sizes:
             if batch in self.warmed:
                 continue
@@ -443,6 +474,25 @@ class Generator:
             self.warmed.add(batch)
             if progress is not None:
                 progress(f"  batch {batch} ready in {time.perf_counter() - start:.1f} s")
+
+    @torch.no_grad()
+    def _warm_up_prefill(self, progress) -> None:
+        """With CUDA graphs: captures the prefill graphs of every padded size (the buffers hold null-row tokens,
+        so the capture's run writes only the null block), so admissions never capture (a capture syncs)."""
+        names = ("target", "draft") if self.speculative else ("target",)
+        missing = [(n, s) for n in names for s in self._prefill_sizes() if (n, s) not in self._prefill_graphs] \
+            if self.cuda_graphs else []
+        if not missing:
+            return
+        if progress is not None:
+            progress(f"warm-up: prefill graphs ({len(missing)})")
+        self._prefill_ids.zero_()
+        self._prefill_positions.zero_()
+        self._prefill_rows.fill_(self.num_slots)
+        self._prefill_block_rows.zero_()
+        for name, size in missing:
+            self._prefill_graph(name, size)
+        self._sync()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -559,58 +609,167 @@ class Generator:
             raise ValueError(f"{where}.eos_token_id must be None or an int in [0, {self.vocab_size}), got {eos!r}")
         return _Prepared(prompt, max_new, float(temperature), seed, -1 if eos is None else eos)
 
-    @torch.no_grad()
-    def _admit(self, slot: int, request: _Prepared) -> bool:
-        """Prefills `request` into free `slot`; returns False when it already finished at its first token."""
-        prompt, k = request.prompt, self.k
-        length = len(prompt)
-        cap = min(length + request.max_new_tokens, self.max_model_len - k)
-        # Every position the request's rounds can write: up to cap - 1 + k.
-        blocks = self.pool.allocate(-(-min(cap + k, self.max_model_len) // self.block_size), owner=slot)
-        self.block_table.assign(slot, blocks, where="Generator")
-        device = self.device
-        ids = torch.tensor(prompt, dtype=torch.int64, device=device)
-        positions = torch.arange(length, device=device)
-        first = self._prefill(self.target, self.kv_caches, slot, ids, positions, sample=request)
-        if self.speculative and length > 1:
-            self._prefill(self.draft, self.proposer.kv_caches, slot, ids[:-1], positions[:-1])
-        row = torch.zeros(self.max_model_len + 1, dtype=torch.int64)
-        row[:length] = torch.tensor(prompt)
-        row[length] = first
-        self.tokens_2d[slot].copy_(row)
-        new_length = length + 1
-        stop = STOP_EOS if first == request.eos else (
-            RUNNING if new_length < cap else (STOP_LENGTH if cap < length + request.max_new_tokens else
-                                              STOP_MAX_TOKENS))
-        values = dict(length=new_length, cap=cap, cap_is_length=cap < length + request.max_new_tokens,
-                      stop_reason=stop, active=stop == RUNNING, eos=request.eos, temperature=request.temperature,
-                      seeds=request.seed, last_token=first, query_start=length - 1, num_rejected=k)
-        for name, value in values.items():
-            getattr(self, name)[slot] = value
-        self.cap_host[slot] = cap
-        self.query_tokens[slot] = torch.tensor([prompt[-1]] + [0] * k, device=device)
-        return stop == RUNNING
+    def _to_device(self, values: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the generator's device: on CUDA through pinned memory with a non-blocking copy, so the
+        host does not wait for the rounds queued before it (the caching host allocator keeps the pinned buffer
+        until the copy has run)."""
+        if self.device.type != "cuda":
+            return values.to(self.device)
+        return values.pin_memory().to(self.device, non_blocking=True)
 
-    def _prefill(self, model, kv_caches, slot: int, ids, positions, sample: _Prepared | None = None):
-        """One sequence's prompt through `model`'s paged cache (eager, in chunks of PREFILL_CHUNK tokens, each
-        attending to the cache the earlier ones wrote); with `sample`, its first token (an int)."""
-        rows = self.block_table.tensor[slot: slot + 1].long()
+    @torch.no_grad()
+    def _admit(self, slots: Sequence[int], requests: Sequence[_Prepared]) -> None:
+        """Prefills `requests` into the free `slots` (slots[i] takes requests[i]) and sets their device state.
+
+        One batched prefill per model: all prompts' tokens are packed into forwards of up to the prefill chunk,
+        each token attending to its own request's cache. Nothing here waits for the device: the prompts and the
+        per-request values travel in one pinned non-blocking copy, the first tokens are sampled and written on
+        the device, and a request whose first token is its EOS is stopped on the device (the host learns it from
+        the next snapshot; a stop at the cap the host knows already).
+        """
+        k, width = self.k, self.max_model_len + 1
+        ids: list[int] = []
+        positions: list[int] = []
+        token_rows: list[int] = []
+        draft_tokens: list[int] = []  # indices into the packed tokens the draft prefills (each prompt but its last)
+        fields: list[int] = []  # per request: slot, length, cap, cap_is_length, eos, seed, stop unless EOS, last
+        temperatures: list[float] = []
+        for row, (slot, request) in enumerate(zip(slots, requests)):
+            prompt = request.prompt
+            length = len(prompt)
+            cap = min(length + request.max_new_tokens, self.max_model_len - k)
+            # Every position the request's rounds can write: up to cap - 1 + k.
+            blocks = self.pool.allocate(-(-min(cap + k, self.max_model_len) // self.block_size), owner=slot)
+            self.block_table.assign(slot, blocks, where="Generator")
+            self.cap_host[slot] = cap
+            cap_is_length = cap < length + request.max_new_tokens
+            stop = RUNNING if length + 1 < cap else (STOP_LENGTH if cap_is_length else STOP_MAX_TOKENS)
+            first = len(ids)
+            draft_tokens.extend(range(first, first + length - 1))
+            ids.extend(prompt)
+            positions.extend(range(length))
+            token_rows.extend([row] * length)
+            fields.extend((slot, length, cap, int(cap_is_length), request.eos, request.seed, stop,
+                           first + length - 1))
+            temperatures.append(request.temperature)
+        count, num_tokens, num_draft = len(slots), len(ids), len(draft_tokens)
+        packed = self._to_device(torch.tensor(ids + positions + token_rows + draft_tokens + fields,
+                                              dtype=torch.int64))
+        temperature = self._to_device(torch.tensor(temperatures, dtype=torch.float32))
+        ids_d, positions_d, rows_d = packed[:3 * num_tokens].view(3, num_tokens).unbind(0)
+        draft_d = packed[3 * num_tokens: 3 * num_tokens + num_draft]
+        slot_d, length_d, cap_d, cap_is_length_d, eos_d, seed_d, stop_d, last_d = (
+            packed[3 * num_tokens + num_draft:].view(count, 8).unbind(1))
+        block_rows = self.block_table.tensor.long()[slot_d]  # [count, blocks_per_req]
+
+        hidden = self._prefill("target", block_rows, ids_d, positions_d, rows_d, keep=True)
+        logits = self.target.compute_logits(hidden[last_d]).float()
+        first = sample_draft(logits, temperature, seed_d, length_d + TARGET_STREAM_OFFSET)
+        if self.speculative and num_draft:
+            self._prefill("draft", block_rows, ids_d[draft_d], positions_d[draft_d], rows_d[draft_d], keep=False)
+
+        self.tokens_2d.index_fill_(0, slot_d, 0)
+        self.tokens.index_put_((slot_d[rows_d] * width + positions_d,), ids_d)
+        self.tokens.index_put_((slot_d * width + length_d,), first)
+        stop = torch.where(first == eos_d, STOP_EOS, stop_d)
+        self.length.index_copy_(0, slot_d, length_d + 1)
+        self.cap.index_copy_(0, slot_d, cap_d)
+        self.cap_is_length.index_copy_(0, slot_d, cap_is_length_d.bool())
+        self.stop_reason.index_copy_(0, slot_d, stop)
+        self.active.index_copy_(0, slot_d, stop == RUNNING)
+        self.eos.index_copy_(0, slot_d, eos_d)
+        self.temperature.index_copy_(0, slot_d, temperature)
+        self.seeds.index_copy_(0, slot_d, seed_d)
+        self.last_token.index_copy_(0, slot_d, first)
+        self.query_start.index_copy_(0, slot_d, length_d - 1)
+        self.num_rejected.index_fill_(0, slot_d, k)
+        # The proposer's first query: [last prompt token, k placeholders], all k "rejected".
+        query = torch.zeros(count, k + 1, dtype=torch.int64, device=self.device)
+        query[:, 0] = ids_d[last_d]
+        self.query_tokens.index_copy_(0, slot_d, query)
+
+    def _model(self, name: str):
+        """(model, its KV caches) of "target" or "draft"."""
+        if name == "target":
+            return self.target, self.kv_caches
+        return self.draft, self.proposer.kv_caches
+
+    def _prefill(self, name: str, block_rows, ids, positions, token_rows, keep: bool):
+        """Packed prompt tokens through the `name` model's paged cache, in forwards of up to the prefill chunk
+        (eager, or replays of captured graphs with CUDA graphs); token t belongs to request row token_rows[t] of
+        block_rows and attends to its positions <= positions[t] (earlier chunks wrote the earlier ones).
+        Returns the hidden states [T, H] when `keep`, else None."""
+        if self.cuda_graphs:
+            return self._prefill_replayed(name, block_rows, ids, positions, token_rows, keep)
+        model, kv_caches = self._model(name)
+        chunk = PREFILL_CHUNK_CUDA if self.device.type == "cuda" else PREFILL_CHUNK
+        hidden = []
+        for begin in range(0, ids.shape[0], chunk):
+            end = begin + chunk
+            out = self._prefill_forward(model, kv_caches, block_rows, ids[begin:end], positions[begin:end],
+                                        token_rows[begin:end])
+            if keep:
+                hidden.append(out)
+        return torch.cat(hidden) if keep else None
+
+    def _prefill_forward(self, model, kv_caches, block_rows, ids, positions, token_rows):
+        metadata = AttentionMetadata(
+            kv_caches, slot_mapping(block_rows[token_rows], positions, self.block_size, self.max_model_len),
+            block_rows, token_rows, positions + 1, self.block_size)
+        return model(ids, positions, metadata)
+
+    def _prefill_sizes(self) -> list[int]:
+        sizes, size = [], PREFILL_MIN_GRAPH
+        while size < PREFILL_CHUNK_CUDA:
+            sizes.append(size)
+            size *= 2
+        return sizes + [PREFILL_CHUNK_CUDA]
+
+    def _prefill_graph(self, name: str, size: int):
+        """The captured prefill forward of `name` over the first `size` entries of the prefill buffers (captured
+        on first use: a run on a side stream, which JIT-compiles its kernels, then the recording)."""
+        key = (name, size)
+        if key not in self._prefill_graphs:
+            model, kv_caches = self._model(name)
+
+            def forward():
+                return self._prefill_forward(model, kv_caches, self._prefill_block_rows, self._prefill_ids[:size],
+                                             self._prefill_positions[:size], self._prefill_rows[:size])
+
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                hidden = forward()
+            self._prefill_graphs[key] = (graph, hidden)
+        return self._prefill_graphs[key]
+
+    def _prefill_replayed(self, name, block_rows, ids, positions, token_rows, keep: bool):
+        """`_prefill` by graph replays: each chunk is copied into the prefill buffers, padded to its graph's size
+        with tokens of the null row (position 0), whose KV writes land in the null block."""
+        count, total = block_rows.shape[0], ids.shape[0]
+        self._prefill_block_rows.zero_()
+        self._prefill_block_rows[:count] = block_rows
         hidden = None
-        for begin in range(0, positions.shape[0], PREFILL_CHUNK):
-            chunk = positions[begin: begin + PREFILL_CHUNK]
-            token_rows = torch.zeros_like(chunk)
-            metadata = AttentionMetadata(
-                kv_caches, slot_mapping(rows[token_rows], chunk, self.block_size, self.max_model_len), rows,
-                token_rows, torch.full_like(chunk, begin + chunk.shape[0]), self.block_size)
-            hidden = model(ids[begin: begin + PREFILL_CHUNK], chunk, metadata)
-        if sample is None:
-            return None
-        logits = model.compute_logits(hidden[-1:]).float()
-        device = self.device
-        token = sample_draft(logits, torch.tensor([sample.temperature], device=device),
-                             torch.tensor([sample.seed], device=device),
-                             torch.tensor([positions.shape[0] + TARGET_STREAM_OFFSET], device=device))
-        return int(token[0])
+        for begin in range(0, total, PREFILL_CHUNK_CUDA):
+            n = min(PREFILL_CHUNK_CUDA, total - begin)
+            size = next(s for s in self._prefill_sizes() if s >= n)
+            self._prefill_ids[:n] = ids[begin: begin + n]
+            self._prefill_positions[:n] = positions[begin: begin + n]
+            self._prefill_rows[:n] = token_rows[begin: begin + n]
+            self._prefill_ids[n:size] = 0
+            self._prefill_positions[n:size] = 0
+            self._prefill_rows[n:size] = self.num_slots
+            graph, out = self._prefill_graph(name, size)
+            graph.replay()
+            if keep:
+                if hidden is None:
+                    hidden = torch.empty(total, out.shape[1], dtype=out.dtype, device=out.device)
+                hidden[begin: begin + n] = out[:n]
+        return hidden
 
     def _retire(self, slot: int) -> None:
         self.pool.release(self.block_table.clear(slot))
@@ -629,92 +788,10 @@ class Generator:
         self.accepted_at.zero_()
         self.counts.zero_()
         self.stop_reason.zero_()
-        outputs: list[RequestOutput | None] = [None] * len(prepared)
-        waiting = deque(range(len(prepared)))
-        live: dict[int, int] = {}  # slot -> request index
-        admitted_after: dict[int, int] = {}  # slot -> groups launched before its admission
-        remaining: dict[int, int] = {}  # slot -> tokens left to its cap, as of the last read
-        free = list(range(self.num_slots))
-        on_cuda = self.device.type == "cuda"
-        snapshot = _Snapshot(self, pinned=on_cuda)
-        per_group = (self.k + 1 if self.speculative else 1) * self.config.read_every
-        group_events, groups, reported, finished = [], 0, 0, 0
-        round_time = prefill_s = 0.0
-        start = time.perf_counter()
+        return _HostLoop(self, prepared, progress).run()
 
-        def launch_group():
-            nonlocal groups, round_time
-            batch = _pick(self.batch_sizes, max(live) + 1)
-            if on_cuda:
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-            t0 = time.perf_counter()
-            for _ in range(self.config.read_every):
-                self.runner.run(batch)
-            round_time += time.perf_counter() - t0
-            if on_cuda:
-                end.record()
-                group_events.append((begin, end))
-            groups += 1
-            return groups, snapshot.take()
-
-        def finish(slot: int, index: int, tokens: list[int], reason: int) -> None:
-            nonlocal finished
-            outputs[index] = RequestOutput(prepared[index].prompt, tokens, STOP_NAMES[reason])
-            self._retire(slot)
-            free.append(slot)
-            finished += 1
-
-        def read(group: int, handle) -> None:
-            nonlocal reported
-            length, stop_reason, tokens = snapshot.wait(handle)
-            for slot in list(live):
-                if group <= admitted_after[slot]:
-                    continue  # this snapshot predates the slot's request
-                index = live[slot]
-                prompt_len, end = len(prepared[index].prompt), int(length[slot])
-                remaining[slot] = int(self.cap_host[slot]) - end
-                if stop_reason[slot] != RUNNING:
-                    del live[slot]
-                    finish(slot, index, tokens[slot, prompt_len:end].tolist(), int(stop_reason[slot]))
-            total = sum(len(o.token_ids) for o in outputs if o is not None)
-            total += sum(self.cap_host[s] - remaining[s] - len(prepared[i].prompt) for s, i in live.items())
-            if progress is not None:
-                progress(total - reported, finished)
-            reported = total
-
-        in_flight = None  # (group, snapshot handle) launched and not yet read
-        while waiting or live:
-            free.sort()  # the lowest free slots first: keeps the padded batch small
-            while waiting and free:
-                slot, index = free.pop(0), waiting.popleft()
-                t0 = time.perf_counter()
-                request = prepared[index]
-                if self._admit(slot, request):
-                    live[slot] = index
-                    admitted_after[slot] = groups
-                    remaining[slot] = int(self.cap_host[slot]) - len(request.prompt) - 1
-                else:  # finished at its first token
-                    first = int(self.tokens_2d[slot, len(request.prompt)])
-                    finish(slot, index, [first], int(self.stop_reason[slot]))
-                prefill_s += time.perf_counter() - t0
-            if not live:
-                continue
-            if in_flight is None:
-                in_flight = launch_group()
-            # The next group runs while the host reads the previous one, when some request surely outlives it.
-            following = launch_group() if any(remaining[s] > per_group for s in live) else None
-            read(*in_flight)
-            in_flight = following
-        if in_flight is not None:
-            snapshot.wait(in_flight[1])
-        self._sync()
-        wall = time.perf_counter() - start
-        busy = sum(b.elapsed_time(e) for b, e in group_events) / 1e3 if on_cuda else round_time
-        rounds = groups * self.config.read_every
-        return GenerationOutput(outputs, self._metrics(outputs, wall, prefill_s, rounds, busy))
-
-    def _metrics(self, outputs, wall: float, prefill_s: float, rounds: int, busy: float) -> GenerationMetrics:
+    def _metrics(self, outputs, wall: float, prefill_s: float, rounds: int, round_s: float,
+                 admission_s: float) -> GenerationMetrics:
         counts = self.counts.tolist()
         accepted_at = self.accepted_at.tolist()
         generated = sum(len(o.token_ids) for o in outputs)
@@ -725,7 +802,8 @@ class Generator:
             wall_s=wall, prefill_s=prefill_s, rounds=rounds, row_rounds=row_rounds,
             mean_emitted_per_round=emitted / row_rounds if row_rounds else 0.0,
             tokens_per_s=generated / wall if wall > 0 else 0.0,
-            host_share=max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0)
+            host_share=max(0.0, 1.0 - round_s / wall) if wall > 0 else 0.0,
+            admission_share=min(1.0, admission_s / wall) if wall > 0 else 0.0)
         if self.speculative and row_rounds:
             metrics.acceptance_per_position = [a / row_rounds for a in accepted_at]
             metrics.acceptance_rate = sum(accepted_at) / tested if tested else 0.0
@@ -734,19 +812,162 @@ class Generator:
         return metrics
 
 
-class _Snapshot:
-    """Host copies of the generator's length, stop_reason and tokens.
+class _HostLoop:
+    """The host side of one `Generator.generate` call: admissions, round groups, snapshot reads, retirements.
 
-    On CUDA: two sets of pinned buffers used in turn, each copy queued without a sync and followed by an event, so
-    one set can be read while the next copy is in flight; elsewhere a plain copy.
+    A group is n rounds (n <= read_every; n = 0 for a snapshot alone) and a snapshot of the device state. With
+    config.overlap, the host keeps two groups queued: it launches the next group before it waits for the oldest
+    one's snapshot, so the device runs a group while the host reads, retires, admits and launches. The last groups
+    are sized from what the live requests still need: a live row emits at least one token per round, and on
+    average what it has emitted per round so far, so a group never holds more rounds than the requests are
+    expected to need (a round with no live row costs as much as a full one), and a shortfall costs only one more,
+    shorter group.
+    """
+
+    def __init__(self, generator: Generator, prepared: list[_Prepared], progress):
+        self.g, self.prepared, self.progress = generator, prepared, progress
+        self.on_cuda = generator.device.type == "cuda"
+        self.snapshot = _Snapshot(generator, pinned=self.on_cuda)
+        self.outputs: list[RequestOutput | None] = [None] * len(prepared)
+        self.waiting = deque(range(len(prepared)))
+        self.free = list(range(generator.num_slots))
+        self.live: dict[int, int] = {}  # slot -> request index
+        self.admitted_after: dict[int, int] = {}  # slot -> groups launched before its admission
+        self.admitted_at: dict[int, int] = {}  # slot -> rounds launched before its admission
+        self.known_length: dict[int, int] = {}  # slot -> its length as of the newest snapshot that covers it
+        self.known_at: dict[int, int] = {}  # slot -> rounds launched before that snapshot
+        self.in_flight: deque = deque()  # (group number, rounds launched through it, snapshot handle)
+        self.groups = self.rounds = 0
+        self.round_spans: list = []  # CUDA: (begin, end) events of each group's rounds
+        self.admission_spans: list = []  # CUDA: (begin, end) events of each admission
+        self.round_s = self.admission_s = 0.0  # host time inside the round calls / the admissions
+        self.finished = self.finished_tokens = self.reported = 0
+
+    def _begin(self):
+        if not self.on_cuda:
+            return None
+        begin = torch.cuda.Event(enable_timing=True)
+        begin.record()
+        return begin
+
+    def _end(self, begin, spans: list) -> None:
+        if begin is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            spans.append((begin, end))
+
+    def admit_waiting(self) -> None:
+        """Admits waiting requests into the free slots, lowest slots first (keeps the padded batch small)."""
+        count = min(len(self.waiting), len(self.free))
+        if not count:
+            return
+        self.free.sort()
+        slots, self.free = self.free[:count], self.free[count:]
+        indices = [self.waiting.popleft() for _ in range(count)]
+        begin, t0 = self._begin(), time.perf_counter()
+        self.g._admit(slots, [self.prepared[i] for i in indices])
+        self.admission_s += time.perf_counter() - t0
+        self._end(begin, self.admission_spans)
+        for slot, index in zip(slots, indices):
+            self.live[slot] = index
+            self.admitted_after[slot] = self.groups
+            self.admitted_at[slot] = self.known_at[slot] = self.rounds
+            self.known_length[slot] = len(self.prepared[index].prompt) + 1
+
+    def rounds_wanted(self) -> int:
+        """Rounds for the next group: read_every, or fewer when every live request is expected to stop sooner
+        (beyond the rounds already launched); <= 0 when none is expected to need another round."""
+        need = 0
+        for slot, index in self.live.items():
+            remaining = self.g.cap_host[slot] - self.known_length[slot]
+            live_rounds = self.known_at[slot] - self.admitted_at[slot]
+            emitted = self.known_length[slot] - len(self.prepared[index].prompt) - 1
+            rate = max(1.0, emitted / live_rounds) if live_rounds else 1.0
+            need = max(need, math.ceil(remaining / rate) - (self.rounds - self.known_at[slot]))
+        return min(self.g.config.read_every, need)
+
+    def launch(self, rounds: int) -> None:
+        """Queues `rounds` rounds (at the padded size of the highest live slot) and a snapshot after them."""
+        if rounds > 0:
+            batch = _pick(self.g.batch_sizes, max(self.live) + 1)
+            begin, t0 = self._begin(), time.perf_counter()
+            for _ in range(rounds):
+                self.g.runner.run(batch)
+            self.round_s += time.perf_counter() - t0
+            self._end(begin, self.round_spans)
+        self.groups += 1
+        self.rounds += max(rounds, 0)
+        self.in_flight.append((self.groups, self.rounds, self.snapshot.take()))
+
+    def read(self) -> None:
+        """Waits for the oldest group's snapshot, then retires the requests it shows stopped (a stopped row
+        emits nothing in later rounds, so its tokens are final however far the device has run ahead)."""
+        group, rounds, handle = self.in_flight.popleft()
+        length, stop_reason, tokens = self.snapshot.wait(handle)
+        lengths, stops = length.tolist(), stop_reason.tolist()
+        for slot in list(self.live):
+            if group <= self.admitted_after[slot]:
+                continue  # this snapshot predates the slot's request
+            index = self.live[slot]
+            self.known_length[slot], self.known_at[slot] = lengths[slot], rounds
+            if stops[slot] != RUNNING:
+                del self.live[slot]
+                self.finish(slot, index, tokens[slot, len(self.prepared[index].prompt): lengths[slot]].tolist(),
+                            stops[slot])
+        if self.progress is not None:
+            total = self.finished_tokens + sum(self.known_length[s] - len(self.prepared[i].prompt)
+                                               for s, i in self.live.items())
+            self.progress(total - self.reported, self.finished)
+            self.reported = total
+
+    def finish(self, slot: int, index: int, tokens: list[int], reason: int) -> None:
+        self.outputs[index] = RequestOutput(self.prepared[index].prompt, tokens, STOP_NAMES[reason])
+        self.g._retire(slot)
+        self.free.append(slot)
+        self.finished += 1
+        self.finished_tokens += len(tokens)
+
+    def run(self) -> GenerationOutput:
+        depth = 2 if self.g.config.overlap else 1
+        start = time.perf_counter()
+        while self.waiting or self.live:
+            self.admit_waiting()
+            if self.live:
+                while len(self.in_flight) < depth:
+                    rounds = self.rounds_wanted()
+                    if rounds <= 0:
+                        break
+                    self.launch(rounds)
+                if not self.in_flight:
+                    self.launch(0)  # every live request is known to stop: a snapshot to retire them
+            if self.in_flight:
+                self.read()
+        while self.in_flight:  # groups launched for requests that turned out to stop earlier
+            self.snapshot.wait(self.in_flight.popleft()[2])
+        self.g._sync()
+        wall = time.perf_counter() - start
+        if self.on_cuda:
+            round_s = sum(b.elapsed_time(e) for b, e in self.round_spans) / 1e3
+            admission_s = sum(b.elapsed_time(e) for b, e in self.admission_spans) / 1e3
+        else:
+            round_s, admission_s = self.round_s, self.admission_s
+        metrics = self.g._metrics(self.outputs, wall, self.admission_s, self.rounds, round_s, admission_s)
+        return GenerationOutput(self.outputs, metrics)
+
+
+class _Snapshot:
+    """Host copies of the generator's length, stop_reason and tokens, in two sets used in turn (a group's
+    snapshot is read while the next group's is taken).
+
+    On CUDA the sets are pinned, each copy is queued without a sync and followed by an event that `wait`
+    synchronizes with; elsewhere a copy is plain.
     """
 
     def __init__(self, generator: Generator, pinned: bool):
         self.sources = (generator.length, generator.stop_reason, generator.tokens_2d)
         self.pinned = pinned
-        sets = 2 if pinned else 1
         self.sets = [[torch.empty(s.shape, dtype=s.dtype, pin_memory=pinned) for s in self.sources]
-                     for _ in range(sets)]
+                     for _ in range(2)]
         self.turn = 0
 
     def take(self):

@@ -146,7 +146,10 @@ class BlockTable:
         self.rows[slot] = ids
         row = torch.full((self.blocks_per_req,), NULL_BLOCK, dtype=torch.int32)
         row[: len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        self.tensor[slot].copy_(row)
+        # A pinned, non-blocking copy: the host does not wait for rounds queued on the device (the caching host
+        # allocator keeps the pinned row alive until the copy has run).
+        on_cuda = self.tensor.device.type == "cuda"
+        self.tensor[slot].copy_(row.pin_memory() if on_cuda else row, non_blocking=on_cuda)
 
     def clear(self, slot: int) -> list[int]:
         """Empties `slot`'s row (all null) and returns the blocks it held."""
