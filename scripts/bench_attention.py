@@ -32,6 +32,8 @@ import torch
 
 from specdec_ops.models.attention import launch_plan, paged_attention_reference, paged_attention_triton
 
+from _timing import capture_graph, replay_us  # noqa: E402  (scripts/ is on sys.path as a script)
+
 BANDWIDTH = 4.3e12
 BLOCK_SIZE = 16
 HEADS, KV_HEADS, HEAD_SIZE = 32, 8, 64
@@ -111,27 +113,9 @@ def flex_step_fn(compiled: bool = True):
 
 
 def graph_ms_per_call(fn, calls: int, replays: int = 5) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(200_000)  # the GPU stays busy while the host submits the replay (scripts/_timing.py)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end))
+    """GPU milliseconds per call of fn, from replays of one CUDA graph of `calls` calls (median)."""
+    graph = capture_graph(fn, calls)
+    samples = [replay_us(graph) / 1e3 for _ in range(replays)]
     del graph
     return statistics.median(samples) / calls
 

@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from _timing import CALLS_PER_GRAPH, median_ms, replay_us  # noqa: E402  (scripts/ is on sys.path as a script)
+from _timing import CALLS_PER_GRAPH, capture_graph, median_ms, replay_us  # noqa: E402  (scripts/ is on sys.path as a script)
 from specdec_ops.models import BENCH_CONFIG, AttentionMetadata, LlamaConfig, LlamaModel
 
 BANDWIDTH = 4.3e12  # H200 HBM3e, bytes/s
@@ -107,19 +107,8 @@ def time_step(step, device, quick: bool) -> float:
             step()
             samples.append((time.perf_counter() - start) * 1e3)
         return statistics.median(samples)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
     calls = 10 if quick else CALLS_PER_GRAPH
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            step()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = capture_graph(step, calls)
     samples = [replay_us(graph) / calls / 1e3 for _ in range(3 if quick else 7)]
     del graph
     return statistics.median(samples)

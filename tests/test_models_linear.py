@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import sync_forbidden
+from harness import capture_graph
 from specdec_ops.models.linear import MAX_ROWS, launch_config, linear, small_batch_linear_triton
 
 
@@ -91,15 +92,7 @@ def test_bf16_model_shapes_compiled_in_a_graph_on_cuda(rows):
         return [linear(xs[0], weights[0], bias)] + [linear(x, w) for x, w in zip(xs[1:], weights[1:])]
 
     skips = counters["inductor"]["cudagraph_skips"]
-    compiled = torch.compile(step, fullgraph=True, dynamic=False)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        compiled()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = compiled()
+    graph, outs = capture_graph(torch.compile(step, fullgraph=True, dynamic=False))
     with sync_forbidden():
         graph.replay()
     torch.cuda.synchronize()
