@@ -212,6 +212,87 @@ def test_overlapped_host_loop_gives_the_same_outputs(target, draft, read_every, 
     assert [r.token_ids for r in plain.requests] == want
 
 
+class Interrupted(Exception):
+    pass
+
+
+def test_generator_runs_again_after_an_interrupted_generate(target, draft):
+    # A progress callback that raises (a cancelled client, Ctrl-C) while requests are live and groups are in
+    # flight: the generator gives every block back and stops every row, and the next generate is exact.
+    requests = mixed_requests(3, 5)
+    want = [greedy_reference(target, r.prompt_ids, r.max_new_tokens) for r in requests]
+    generator = Generator(target, draft, small_config(2), device="cpu", compile=False)
+
+    def progress(new_tokens, finished):
+        raise Interrupted
+
+    with pytest.raises(Interrupted):
+        generator.generate(requests, progress=progress)
+    assert generator.pool.num_free == generator.num_blocks - 1 and not generator.active.any()
+    assert [r.token_ids for r in generator.generate(requests).requests] == want
+
+
+class _Replay:
+    """Stands in for a captured prefill graph on the CPU: replay() reruns the recorded forward into its output."""
+
+    def __init__(self, forward):
+        self.forward, self.out = forward, forward()
+
+    def replay(self):
+        self.out.copy_(self.forward())
+
+
+class EmulatedPrefillGraphs(Generator):
+    """The CUDA-graph prefill path (`_prefill_replayed`: static buffers, padding, chunks) run eagerly on the CPU;
+    records the blocks handed out."""
+
+    def _allocate_state(self, blocks_per_req):
+        self.cuda_graphs = True  # the prefill buffers and graphs; the rounds keep the runner made without graphs
+        self.handed_out = set()
+        super()._allocate_state(blocks_per_req)
+
+    def _admit(self, slots, requests):
+        super()._admit(slots, requests)
+        self.handed_out.update(b for slot in slots for b in self.block_table.blocks(slot))
+
+    def _prefill_graph(self, name, size):
+        if (name, size) not in self._prefill_graphs:
+            model, kv_caches = self._model(name)
+
+            def forward():
+                return self._prefill_forward(model, kv_caches, self._prefill_block_rows, self._prefill_ids[:size],
+                                             self._prefill_positions[:size], self._prefill_rows[:size])
+
+            graph = _Replay(forward)
+            self._prefill_graphs[(name, size)] = (graph, graph.out)
+        return self._prefill_graphs[(name, size)]
+
+
+def test_prefill_graph_replays_pad_into_the_null_block(target, draft, monkeypatch, joined_requests):
+    # Graphs of 2, 4 and 8 tokens: every admission's packed prompts (up to 3 requests, prompts of 1 to 20 tokens)
+    # span several chunks of the largest graph, requests straddle chunks, the last chunk is padded.
+    from specdec_ops.runtime import generator as generator_module
+
+    requests, want, _ = joined_requests
+    requests = requests + [Request([7], 3), Request([8], 2)]  # one-token prompts: no draft prefill tokens
+    want = want + [greedy_reference(target, [7], 3), greedy_reference(target, [8], 2)]
+    monkeypatch.setattr(generator_module, "PREFILL_CHUNK_CUDA", 8)
+    monkeypatch.setattr(generator_module, "PREFILL_MIN_GRAPH", 2)
+    for model_draft in (draft, None):
+        generator = EmulatedPrefillGraphs(target, model_draft, small_config(2, max_model_len=256), device="cpu",
+                                          compile=False)
+        out = generator.generate(requests)
+        assert [r.token_ids for r in out.requests] == want
+        names = ("target", "draft") if model_draft is not None else ("target",)
+        assert set(generator._prefill_graphs) == {(n, s) for n in names for s in (2, 4, 8)}
+        # Padding tokens (and the warm-up runs) write only the null block: blocks never handed out stay zero.
+        untouched = sorted(set(range(1, generator.num_blocks)) - generator.handed_out)
+        assert untouched, "test setup: some blocks should stay unused"
+        caches = generator.kv_caches + (generator.proposer.kv_caches if model_draft is not None else ())
+        for cache in caches:
+            assert cache.view(generator.num_blocks, generator.block_size, -1)[untouched].eq(0).all()
+
+
 def test_target_only_runs_no_round_past_the_last_token(target):
     # One token per live row and round: the host sizes every group from what the requests still need, so a
     # request of n new tokens (the first from its prefill) takes exactly n - 1 rounds, however groups fall.
@@ -345,6 +426,13 @@ def test_bad_requests_and_configs_are_refused(target, draft):
         Generator(target, draft, small_config(2, posterior_threshold=-1.0), device="cpu")
     with pytest.raises(ValueError, match="batch_sizes"):
         Generator(target, draft, small_config(2, batch_sizes=(4,)), device="cpu")
+    for sizes in ((2.5, 3), (True, 3), "3"):  # not silently truncated (2.5 -> 2, True -> 1, "3" -> chars)
+        with pytest.raises(ValueError, match=r"config.batch_sizes\[0\] must be an int"):
+            Generator(target, draft, small_config(2, batch_sizes=sizes), device="cpu")
+    with pytest.raises(ValueError, match="config.read_every must be an int >= 1"):
+        Generator(target, draft, small_config(2, read_every=0), device="cpu")
+    with pytest.raises(ValueError, match="config.overlap must be a bool"):
+        Generator(target, draft, small_config(2, overlap=1), device="cpu")
     other_vocab = DraftModel(dataclasses.replace(CONFIG, vocab_size=100))
     with pytest.raises(ValueError, match="draft vocab_size 100 != target vocab_size 512"):
         Generator(target, other_vocab, small_config(2), device="cpu")

@@ -59,6 +59,7 @@ two draws that must be independent share a random number.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -251,7 +252,11 @@ class Generator:
         self.num_slots = config.max_num_reqs
         self.max_model_len = config.max_model_len
         self.block_size = config.block_size
-        self.batch_sizes = sorted(set(int(b) for b in (config.batch_sizes or self._default_sizes())))
+        sizes = list(config.batch_sizes or self._default_sizes())
+        for index, size in enumerate(sizes):
+            if isinstance(size, bool) or not hasattr(size, "__index__"):
+                raise ValueError(f"Generator: config.batch_sizes[{index}] must be an int, got {size!r}")
+        self.batch_sizes = sorted(set(operator.index(b) for b in sizes))
         if self.batch_sizes[0] < 1 or self.batch_sizes[-1] > self.num_slots:
             raise ValueError(f"Generator: batch_sizes {self.batch_sizes} must lie in [1, {self.num_slots}]")
         if self.batch_sizes[-1] != self.num_slots:
@@ -788,7 +793,22 @@ class Generator:
         self.accepted_at.zero_()
         self.counts.zero_()
         self.stop_reason.zero_()
-        return _HostLoop(self, prepared, progress).run()
+        try:
+            return _HostLoop(self, prepared, progress).run()
+        except BaseException:  # an error or an interrupt (a raising progress callback, Ctrl-C) mid-generation
+            self._abandon()
+            raise
+
+    def _abandon(self) -> None:
+        """Stops every request on the device and gives all blocks back, so that the generator runs again after an
+        interrupted `generate`. Like a normal retirement, the writes queue behind the rounds already launched, and
+        the next admissions behind them."""
+        for slot in range(self.num_slots):
+            if self.block_table.blocks(slot):
+                self._retire(slot)
+        if self.pool.owners:  # allocated, not yet in a block-table row (interrupted inside an admission)
+            self.pool.release(list(self.pool.owners))
+        self.active.zero_()
 
     def _metrics(self, outputs, wall: float, prefill_s: float, rounds: int, round_s: float,
                  admission_s: float) -> GenerationMetrics:
