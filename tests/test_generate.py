@@ -424,6 +424,8 @@ def test_bad_requests_and_configs_are_refused(target, draft):
         Generator(target, draft, small_config(2, method="beam"), device="cpu")
     with pytest.raises(ValueError, match="posterior_threshold must be a finite number"):
         Generator(target, draft, small_config(2, posterior_threshold=-1.0), device="cpu")
+    with pytest.raises(ValueError, match="posterior_alpha must be a finite number"):
+        Generator(target, draft, small_config(2, posterior_alpha=True), device="cpu")
     with pytest.raises(ValueError, match="batch_sizes"):
         Generator(target, draft, small_config(2, batch_sizes=(4,)), device="cpu")
     for sizes in ((2.5, 3), (True, 3), "3"):  # not silently truncated (2.5 -> 2, True -> 1, "3" -> chars)

@@ -234,7 +234,8 @@ class Generator:
             raise ValueError(f"Generator: config.overlap must be a bool, got {config.overlap!r}")
         for name in ("posterior_threshold", "posterior_alpha"):
             value = getattr(config, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+            if isinstance(value, bool) or not (
+                    isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"Generator: config.{name} must be a finite number >= 0, got {value!r}")
         if config.max_model_len < k + 2:
             raise ValueError(f"Generator: max_model_len = {config.max_model_len} leaves no room for a prompt and "
