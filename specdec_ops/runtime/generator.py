@@ -787,7 +787,9 @@ class Generator:
                  warm_up_progress: Callable[[str], None] | None = None) -> GenerationOutput:
         """Generates every request with continuous batching; returns their outputs (in order) and the metrics.
 
-        progress(new_tokens, finished_requests) is called after every host read.
+        progress(new_tokens, finished_requests) is called after every host read. When the call raises (a bad
+        request, a raising progress callback, an interrupt), its requests are dropped and the generator is ready
+        for the next call.
         """
         prepared = [self._prepare(i, r) for i, r in enumerate(requests)]
         self.warm_up(warm_up_progress)
