@@ -412,8 +412,7 @@ def peaked_logits(gen, shape):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("num_chunks,cap", [(3, None), (5, 64)])
-@pytest.mark.parametrize("draft", ["logits", "probs"])
+@pytest.mark.parametrize("num_chunks,cap,draft", [(3, None, "logits"), (5, 64, "probs")])
 def test_triton_split_vocab(num_chunks, cap, draft):
     """V split into chunks across programs in every pass (statistics, filter, race; V = 150, blocks of 16): the
     partial statistics and histograms combined by each row's last program, the candidates gathered from all chunks,

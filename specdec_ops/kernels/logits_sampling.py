@@ -1,35 +1,40 @@
 """Triton CUDA kernels of `specdec::rejection_sample_logits` and `specdec::sample_draft_filtered`.
 
 The contract is specdec_ops/ops/logits_sampling.py. No probability tensor is written: per logit row the kernels
-keep four numbers, the max m of z = x / T, the threshold tau of the kept set (an order key of z, below), the kept
-mass S and the argmax, and recompute a probability exp(z - m) / S where they need one.
+keep four numbers, the max m of z = x / T, the threshold tau of the kept set (an order key of z: float32 bits mapped
+to int32 so that integer order is float order, -0.0 with +0.0), the kept mass S and the argmax, and recompute a
+probability exp(z - m) / S where they need one.
 
-Row statistics (`_row_stats_tl`). Pass 1 streams the row once: the argmax of x, the max of z and an online sum of
-exp(z - m) (the mass S when no filter is active). With a filter active, the thresholds are found by a search over
-the order keys of z (float32 bits mapped to int32 so that integer order is float order, -0.0 with +0.0). top-k's
-threshold is the largest key t with count(>= t) >= top_k, top-p's the largest t >= tau_k with mass(>= t) >=
-top_p * mass(>= tau_k); both are entry keys, so ties at the cut-off are kept, as the contract says. A search pass
-evaluates NUM_PROBES candidate thresholds at once (the count and the mass of the entries at or above each), keeps
-the sub-interval where the condition flips and shrinks it to the smallest and largest entry keys inside it. The
-first pass of a search puts its probes at z = m - delta (delta geometric, 2**-3 to 2**4.5), where thresholds of
-real logits lie; later passes split the key interval evenly (at most 8 passes of 16 probes for 32-bit keys). A
-search stops as soon as at most CAP (1024) entries are at or above its lower bound: one more pass copies their z
-to a per-row scratch, and the exact thresholds and the kept mass come from sorting them in registers (tl.sort,
-tl.cumsum), with no further pass. So top-k + top-p on typical logits costs pass 1, one probe pass and the gather;
-a kept set larger than CAP (top-p over a flat distribution) takes the full search and a last pass that sums S.
-min-p needs no search (its test is e >= min_p).
+Every pass splits a row's V into chunks across programs, a grid of (rows, chunks) from the shapes and the SM count
+only (kernels/geometry.py LOGITS_SAMPLING); the programs of a row meet through its words in the persistent zeroed
+scratch (kernels/scratch.py): an atomic ticket (kernels/ticket.py) elects the row's last program, which combines
+the others' results in chunk order and leaves the words at 0 (no memset; graph-capturable, no host sync).
 
-rejection_sample_logits is two launches: `_row_stats_kernel`, one program per row of the target (k+1 per request)
-and of the draft logits (k more when given), writes the statistics to an int32 [B, rows, 4] buffer (floats as
-their bits); then `_verify_kernel`, one program per request, evaluates the accept tests at all k positions (p(x)
-and q(x) from the statistics and one logit each), block verification's residual masses when asked (a pass over
-row i for the i it needs, from k-1 down to the first that may stop), and the segmented race of
-specdec_ops/ops/sampling.py over the one rejected/bonus row, then writes the output row, the logprobs and the
-counters. sample_draft_filtered is one program per row: the statistics, then the Gumbel race over the kept
-entries and the probabilities.
+1. `_stats_kernel`: each chunk's max of x, its online sum of exp((x - max) / T) (one exponential per entry) and
+   its argmax; for a row with top-k or top-p on, also a histogram of its x in bins of width 1 / bin_scale below
+   its maximum (tl.histogram, a second read of the chunk from cache). The last program: m = max(x) / T (the
+   division rounds monotonically), S, the argmax (lowest index on ties), and for a filtered row the lower bound of
+   its candidates: the shallowest bin boundary at which the aligned histograms count top_k entries (top-k on), or
+   at which a lower bound of the mass reaches top_p * S (top-p alone); tau holds that bound until pass 2.
+2. `_filter_kernel` (rows no filter touches return at once): every chunk appends the z of its entries at or above
+   the bound to the row's candidates (an atomic slot counter; at most CAP are stored); the last program sorts them
+   in registers (tl.sort, tl.cumsum) and finds tau_k, M_k, tau_p and S exactly, ties at the cut-off kept, as the
+   contract says. The bound is only a guess: the finish checks that the candidates (an upper set of z) hold the
+   kept set (at least top_k of them, or a mass reaching top_p * M_k); a row that fails, or has more than CAP
+   candidates (top-p over a flat distribution), takes the full threshold search in that program
+   (`_search_fallback_tl`: passes of NUM_PROBES candidate thresholds over the row until the key is exact, then a
+   pass for S). min-p alone needs no search: the chunks' kept masses are summed in chunk order.
+3. Token-wise verification, `_race_verify_kernel` over (B, chunks): every program evaluates the k accept tests
+   (p(x), q(x) from the statistics and one logit each), races its chunk of the rejected/bonus row j with the
+   segmented race of specdec_ops/ops/sampling.py and folds its winner (key bits, V-1-token) into the request's
+   int64 atomic max; the last program writes the output row, the logprobs and the counters (and redraws from p_j
+   when the residual has no positive key, a slow path). Block verification keeps one program per request
+   (`_verify_kernel`): its residual masses need whole rows in order.
+   sample_draft_filtered: passes 1 and 2 over its rows, then `_draft_race_kernel` over (rows, chunks): the Gumbel
+   race of each chunk's kept entries (and their probabilities) into the row's atomic max.
 
-On CUDA, exp and log come from the GPU's libraries and the sums are float32 in this kernel's order, so results
-equal the reference except at near-ties (the contract's "Float rounding").
+Sums are float32 in these kernels' orders, deterministic (chunk order, no float atomics); exp and log come from
+the GPU's libraries, so results equal the reference except at near-ties (the contract's "Float rounding").
 """
 from __future__ import annotations
 
@@ -57,11 +62,6 @@ def _order_key_tl(z):
     bits = z.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     return tl.where(key == -1, 0, key)
-
-@triton.jit
-def _key_to_float_tl(key):
-    """The float32 whose order key is key (int32): the inverse of _order_key_tl."""
-    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
 @triton.jit
 def _search_pass_tl(row_ptr, vocab, temperature, m, lo, hi, top_k, target,
@@ -135,112 +135,6 @@ def _search_tl(row_ptr, vocab, temperature, m, lo, hi, lo_mass, lo_count, top_k,
         lo_count = tl.where(moved, new_count, lo_count)
         passes += 1
     return lo, lo_mass, lo_count
-
-@triton.jit
-def _gather_finish_tl(row_ptr, scratch_ptr, vocab, temperature, m, lo, k_pending, top_k, tau_k_z, mass_k,
-                      p_on, top_p, min_e, SEARCH_BLOCK: tl.constexpr, CAP: tl.constexpr):
-    """The exact thresholds and kept mass from the (at most CAP) entries with key >= lo, which hold every kept
-    entry: one pass copies their z into the row's scratch, then they are sorted in registers. k_pending: the
-    top-k threshold is still to find (else tau_k_z and mass_k are given). Returns (tau key int64, S)."""
-    lo32 = lo.to(tl.int32)
-    count = tl.zeros([], tl.int32)
-    for v0 in range(0, vocab, SEARCH_BLOCK):
-        v = v0 + tl.arange(0, SEARCH_BLOCK)
-        in_row = v < vocab
-        z = tl.load(row_ptr + v, mask=in_row, other=float("-inf")).to(tl.float32) / temperature
-        candidate = in_row & (_order_key_tl(z) >= lo32)
-        position = count + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
-        tl.store(scratch_ptr + position, z, mask=candidate & (position < CAP))
-        count += tl.sum(candidate.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the stores of every thread are visible to the loads below
-    count = tl.minimum(count, CAP)
-    index = tl.arange(0, CAP)
-    sorted_z = tl.sort(tl.load(scratch_ptr + index, mask=index < count, other=float("-inf")), descending=True)
-    e = tl.exp(sorted_z - m)  # 0 for the -inf padding
-    if k_pending:
-        tau_k_z = tl.max(tl.where(index == top_k - 1, sorted_z, float("-inf")), axis=0)
-        mass_k = tl.sum(tl.where(sorted_z >= tau_k_z, e, 0.0), axis=0)
-    tau_z = tau_k_z
-    if p_on:
-        # The first sorted position whose cumulative mass reaches top_p * M_k; its value is tau_p.
-        first = tl.sum((tl.cumsum(e, axis=0) < top_p * mass_k).to(tl.int32), axis=0)
-        first = tl.minimum(first, count - 1)
-        tau_z = tl.maximum(tau_z, tl.max(tl.where(index == first, sorted_z, float("-inf")), axis=0))
-    mass = tl.sum(tl.where((sorted_z >= tau_z) & (e >= min_e), e, 0.0), axis=0)
-    return _order_key_tl(tau_z).to(tl.int64), mass
-
-@triton.jit
-def _row_stats_tl(row_ptr, scratch_ptr, vocab, temperature, top_k, top_p, min_e,
-                  BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr,
-                  CAP: tl.constexpr):
-    """(m, tau key, S, argmax) of one logit row; m, tau and S only matter for a positive temperature."""
-    is_random = temperature > 0
-    t = tl.where(is_random, temperature, 1.0)
-    best_x = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_i = tl.full([BLOCK_V], 0, tl.int32) + vocab
-    lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    lane_sum = tl.zeros([BLOCK_V], tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
-        v = v0 + tl.arange(0, BLOCK_V)
-        in_row = v < vocab
-        x = tl.load(row_ptr + v, mask=in_row, other=float("-inf")).to(tl.float32)
-        # A lane visits increasing indices: its first entry, then only strictly larger ones (first index on
-        # ties, as torch.argmax).
-        better = in_row & ((x > best_x) | (best_i == vocab))
-        best_x = tl.where(better, x, best_x)
-        best_i = tl.where(better, v, best_i)
-        z = x / t
-        new_max = tl.maximum(lane_max, z)
-        finite = new_max > float("-inf")  # exp(-inf - -inf) would be NaN
-        lane_sum = tl.where(finite, lane_sum * tl.exp(lane_max - new_max) + tl.exp(z - new_max), 0.0)
-        lane_max = new_max
-    top = tl.max(best_x, axis=0)
-    argmax = tl.min(tl.where(best_x == top, best_i, vocab), axis=0)
-    argmax = tl.minimum(argmax, vocab - 1)
-    m = tl.max(lane_max, axis=0)
-    mass = tl.sum(tl.where(lane_max > float("-inf"), lane_sum * tl.exp(lane_max - m), 0.0), axis=0)
-    tau = tl.full([], -2139095041, tl.int64)  # the order key of -inf: every non-NaN entry is at or above
-    k_on = (top_k > 0) & (top_k < vocab)
-    p_on = top_p < 1.0
-    if is_random & (k_on | p_on | (min_e > 0)):
-        key_m = _order_key_tl(m).to(tl.int64)
-        lo = tau
-        lo_mass = mass
-        lo_count = tl.zeros([], tl.int32) + vocab
-        if k_on:
-            lo, lo_mass, lo_count = _search_tl(row_ptr, vocab, t, m, lo, key_m, lo_mass, lo_count,
-                                               top_k.to(tl.int32), 0.0, False, SEARCH_BLOCK, NUM_PROBES, CAP)
-        final_pass = (lo_count > CAP).to(tl.int32)
-        if lo_count <= CAP:
-            # The top-k set (or, top-k off, the whole row) is at most CAP entries: finish in registers.
-            # With top-k off, tau_k is -inf (lo's value) and M_k the row's mass (lo_mass).
-            tau, mass = _gather_finish_tl(row_ptr, scratch_ptr, vocab, t, m, lo, k_on, top_k,
-                                          _key_to_float_tl(lo.to(tl.int32)), lo_mass, p_on, top_p, min_e,
-                                          SEARCH_BLOCK, CAP)
-        else:
-            tau = lo  # tau_k exactly (the search converged), or -inf's key with top-k off
-            if p_on:
-                mass_k = lo_mass
-                tau_k_z = _key_to_float_tl(lo.to(tl.int32))
-                lo, p_mass, lo_count = _search_tl(row_ptr, vocab, t, m, lo, key_m, lo_mass, lo_count, 0,
-                                                  top_p * mass_k, True, SEARCH_BLOCK, NUM_PROBES, CAP)
-                tau = lo
-                if lo_count <= CAP:
-                    tau, mass = _gather_finish_tl(row_ptr, scratch_ptr, vocab, t, m, lo, False, top_k, tau_k_z,
-                                                  mass_k, True, top_p, min_e, SEARCH_BLOCK, CAP)
-                    final_pass = final_pass * 0
-        if final_pass != 0:
-            tau32 = tau.to(tl.int32)
-            kept_mass = tl.zeros([BLOCK_V], tl.float32)
-            for v0 in range(0, vocab, BLOCK_V):
-                v = v0 + tl.arange(0, BLOCK_V)
-                in_row = v < vocab
-                z = tl.load(row_ptr + v, mask=in_row, other=float("-inf")).to(tl.float32) / t
-                e = tl.exp(z - m)
-                kept = in_row & (_order_key_tl(z) >= tau32) & (e >= min_e)
-                kept_mass += tl.where(kept, e, 0.0)
-            mass = tl.sum(kept_mass, axis=0)
-    return m, tau.to(tl.int32), mass, argmax
 
 @triton.jit
 def _store_stats_tl(stats_ptr, m, tau, mass, argmax):
@@ -431,6 +325,31 @@ def _chunk_kept_mass_tl(row_ptr, start, end, t, m, min_e, BLOCK_V: tl.constexpr,
     return tl.sum(lane, axis=0)
 
 @triton.jit
+def _search_fallback_tl(row_ptr, vocab, t, m, mass_all, k_on, top_k, p_on, top_p, min_e,
+                        BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr):
+    """(tau key int32, S) of a row whose kept set the candidates do not hold: the threshold searches run to the
+    exact key (no sort, so this rare path stays small code), then one pass sums the kept mass."""
+    lo = tl.full([], -2139095041, tl.int64)  # the order key of -inf
+    key_m = _order_key_tl(m).to(tl.int64)
+    lo_mass = mass_all
+    lo_count = tl.zeros([], tl.int32) + vocab
+    if k_on:
+        lo, lo_mass, lo_count = _search_tl(row_ptr, vocab, t, m, lo, key_m, lo_mass, lo_count, top_k.to(tl.int32),
+                                           0.0, False, SEARCH_BLOCK, NUM_PROBES, 0)
+    if p_on:
+        lo, _, _ = _search_tl(row_ptr, vocab, t, m, lo, key_m, lo_mass, lo_count, 0, top_p * lo_mass, True,
+                              SEARCH_BLOCK, NUM_PROBES, 0)
+    tau32 = lo.to(tl.int32)
+    kept_mass = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in range(0, vocab, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V)
+        in_row = v < vocab
+        z = tl.load(row_ptr + v, mask=in_row, other=float("-inf")).to(tl.float32) / t
+        e = tl.exp(z - m)
+        kept_mass += tl.where(in_row & (_order_key_tl(z) >= tau32) & (e >= min_e), e, 0.0)
+    return tau32, tl.sum(kept_mass, axis=0)
+
+@triton.jit
 def _filter_kernel(
     target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, candidates_ptr,
     partial_ptr, workspace_ptr, k, vocab, chunk_len, rows_per_request, t_stride_b, t_stride_i, d_stride_b,
@@ -486,13 +405,13 @@ def _filter_kernel(
                                                       mass_all, p_on, top_p, min_e, CAP)
                 if (count > CAP) | (~enough):
                     if r <= k:
-                        _, tau, mass, _ = _row_stats_tl(target_ptr + b * t_stride_b + r * t_stride_i,
-                                                        candidates, vocab, temperature, top_k, top_p, min_e,
-                                                        BLOCK_V, SEARCH_BLOCK, NUM_PROBES, CAP)
+                        tau, mass = _search_fallback_tl(target_ptr + b * t_stride_b + r * t_stride_i, vocab, t, m,
+                                                        mass_all, k_on, top_k, p_on, top_p, min_e, BLOCK_V,
+                                                        SEARCH_BLOCK, NUM_PROBES)
                     else:
-                        _, tau, mass, _ = _row_stats_tl(
-                            draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, candidates, vocab,
-                            temperature, top_k, top_p, min_e, BLOCK_V, SEARCH_BLOCK, NUM_PROBES, CAP)
+                        tau, mass = _search_fallback_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i,
+                                                        vocab, t, m, mass_all, k_on, top_k, p_on, top_p, min_e,
+                                                        BLOCK_V, SEARCH_BLOCK, NUM_PROBES)
             else:
                 chunk = tl.arange(0, BLOCK_C)
                 tau = lo
