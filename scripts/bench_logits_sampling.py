@@ -93,7 +93,7 @@ def time_us(fn, device, replays):
     return statistics.median(samples)
 
 
-def bench(batch, vocab, dtype, filters, inputs, device, replays):
+def bench(batch, vocab, dtype, filters, inputs, device, replays, ops=("logits", "probs", "block")):
     target, draft, draft_logits, q, params, seeds, offsets = make_inputs(batch, vocab, dtype, filters, device, inputs)
     temperature, top_k, top_p, min_p = params
     counters = torch.zeros(3, dtype=torch.int64, device=device)
@@ -109,6 +109,7 @@ def bench(batch, vocab, dtype, filters, inputs, device, replays):
             target, draft, *params, seeds, offsets, draft_logits=draft_logits, block_verification=True,
             counters=counters), (2 * K + 1) * batch * vocab * elem),
     }
+    calls = {name: call for name, call in calls.items() if name in ops}
     filtered = filters != "off"
 
     def pipeline():
@@ -119,6 +120,8 @@ def bench(batch, vocab, dtype, filters, inputs, device, replays):
     if batch <= 16 and vocab <= 32000:  # spot check against the reference (CPU) before timing
         for name, kwargs in (("logits", dict(draft_logits=draft_logits)), ("probs", dict(draft_probs=q)),
                              ("block", dict(draft_logits=draft_logits, block_verification=True))):
+            if name not in ops:
+                continue
             got = specdec_ops.rejection_sample_logits(target, draft, *params, seeds, offsets, **kwargs)
             cpu = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
             expected = specdec_ops.rejection_sample_logits_reference(
@@ -131,13 +134,15 @@ def bench(batch, vocab, dtype, filters, inputs, device, replays):
     for name, (fn, floor_bytes) in calls.items():
         us = time_us(fn, device, replays)
         rows.append((name, str(dtype).replace("torch.", ""), filters, inputs, batch, vocab, us, floor_bytes,
-                     torch_us if name == "logits" else None))
+                     torch_us if name == ops[0] else None))
     return rows
 
 
-def print_table(rows, device):
-    print("| op | dtype | filters | inputs | B | V | us/call | x floor | torch pipeline us | speedup |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+HEADER = ("| op | dtype | filters | inputs | B | V | us/call | x floor | torch pipeline us | speedup |\n"
+          "|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+
+
+def print_rows(rows, device):
     for name, dtype, filters, inputs, batch, vocab, us, floor_bytes, torch_us in rows:
         floor = f"{us / (floor_bytes / PEAK_BYTES_PER_S * 1e6):.2f}" if device == "cuda" else "-"
         torch_cols = f"{torch_us:.1f} | {torch_us / us:.1f}x" if torch_us is not None else "- | -"
@@ -153,6 +158,8 @@ def main() -> int:
                         "specdec_ops/kernels/geometry.py, e.g. 'block_v=2048,num_warps=8,max_chunk=4096'")
     parser.add_argument("--batches", default="", help="comma-separated B values instead of the default set")
     parser.add_argument("--vocabs", default="", help="comma-separated V values instead of the default set")
+    parser.add_argument("--ops", default="logits,probs,block", help="which calls to time (the torch pipeline is "
+                        "compared with the first)")
     args = parser.parse_args()
     from specdec_ops.kernels.geometry import LOGITS_SAMPLING as geometry
 
@@ -178,13 +185,13 @@ def main() -> int:
         print(f"# CPU smoke run | torch {torch.__version__} | k = {K} | host wall-clock us per call\n")
     batches = [int(b) for b in args.batches.split(",")] if args.batches else batches
     vocabs = [int(v) for v in args.vocabs.split(",")] if args.vocabs else vocabs
-    rows = []
+    print(HEADER, flush=True)
     for vocab in vocabs:
         for dtype in (torch.bfloat16, torch.float32):
             for filters, inputs in (("off", "peaked"), ("top-k+top-p", "peaked"), ("top-k+top-p", "flat")):
                 for batch in batches:
-                    rows.extend(bench(batch, vocab, dtype, filters, inputs, args.device, replays))
-    print_table(rows, args.device)
+                    print_rows(bench(batch, vocab, dtype, filters, inputs, args.device, replays,
+                                     tuple(args.ops.split(","))), args.device)
     return 0
 
 
