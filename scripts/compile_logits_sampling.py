@@ -46,14 +46,16 @@ def compile_variant(fn, constexprs, name, pointers=None) -> bool:
 def main() -> int:
     ok = True
     rows = dict(BLOCK_V=GEOMETRY["block_v"], NUM_STAGES=GEOMETRY["num_stages"], BLOCK_C=16)
+    search = {"SEARCH_BLOCK": GEOMETRY["search_block"], "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"]}
     for has_draft_logits in (False, True):
-        ok &= compile_variant(kernels._stats_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows,
-                                                      "NUM_BINS": GEOMETRY["hist_bins"],
-                                                      "BIN_SCALE": GEOMETRY["bin_scale"]},
-                              f"_stats_kernel(draft_logits={has_draft_logits})")
-        ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows,
-                                                       "SEARCH_BLOCK": GEOMETRY["search_block"],
-                                                       "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"]},
+        for fused in (False, True):
+            ok &= compile_variant(kernels._stats_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows,
+                                                          "NUM_BINS": GEOMETRY["hist_bins"],
+                                                          "BIN_SCALE": GEOMETRY["bin_scale"], "FUSED_FILTER": fused,
+                                                          **search},
+                                  f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused})",
+                                  {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"})
+        ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows, **search},
                               f"_filter_kernel(draft_logits={has_draft_logits})")
     for probs, logits in ((True, False), (False, True), (False, False)):
         flags = {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits, "WITH_LOGPROBS": True, "COUNT": True,

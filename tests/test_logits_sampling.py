@@ -412,12 +412,14 @@ def peaked_logits(gen, shape):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("num_chunks,cap,draft", [(3, None, "logits"), (5, 64, "probs")])
-def test_triton_split_vocab(num_chunks, cap, draft):
+@pytest.mark.parametrize("num_chunks,cap,draft,fused", [(3, None, "logits", False), (5, 64, "probs", False),
+                                                        (4, 64, "logits", True)])
+def test_triton_split_vocab(num_chunks, cap, draft, fused):
     """V split into chunks across programs in every pass (statistics, filter, race; V = 150, blocks of 16): the
     partial statistics and histograms combined by each row's last program, the candidates gathered from all chunks,
     the race winners met in the atomic maximum; peaked rows (the histogram's bound finishes them by the sort) and
-    flat ones (the cap of 32 or 64 overflows: the full search), both modes."""
+    flat ones (the cap of 32 or 64 overflows: the full search), both modes; `fused`: the filter pass run by each
+    row's last statistics program instead of its own launch."""
     gen = torch.Generator().manual_seed(90 + num_chunks)
     args = list(make_case(91 + num_chunks, 4, 3, 150, draft=draft))
     args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
@@ -433,7 +435,7 @@ def test_triton_split_vocab(num_chunks, cap, draft):
         args[2] = contract.processed_distribution(noisy, *args[4:8])
     for block in (False, True):
         check_against_reference(run_triton, tuple(args), block, block_v=16, num_chunks=num_chunks,
-                                gather_cap=cap)
+                                gather_cap=cap, fused_filter=fused)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -444,7 +446,8 @@ def test_triton_split_vocab_min_p_and_greedy():
     args[5] = torch.tensor([0, 3, 0, 0])
     args[6] = torch.tensor([1.0, 0.5, 1.0, 1.0])
     args[7] = torch.tensor([0.1, 0.0, 0.3, 0.0])
-    check_against_reference(run_triton, tuple(args), False, block_v=16, num_chunks=4)
+    for fused in (False, True):
+        check_against_reference(run_triton, tuple(args), False, block_v=16, num_chunks=4, fused_filter=fused)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -554,7 +557,8 @@ def test_triton_sample_draft_filtered_split_vocab():
     probs = torch.full((10, 120), -1.0)
     assert torch.equal(draft_triton(tuple(args), probs, block_v=16, num_chunks=4), expected)
     torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-7)
-    assert torch.equal(draft_triton(tuple(args), block_v=16, num_chunks=4, gather_cap=64), expected)
+    assert torch.equal(draft_triton(tuple(args), block_v=16, num_chunks=4, gather_cap=64, fused_filter=True),
+                       expected)
 
 
 def test_sample_draft_filtered_writes_a_strided_column():
@@ -820,4 +824,4 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(": ok (") == 12, result.stdout
+    assert result.stdout.count(": ok (") == 14, result.stdout

@@ -49,6 +49,7 @@ LOGITS_SAMPLING = dict(
     cap=1024,
     search_block=256,
     num_probes=16,
+    fused_filter=0,  # 1: each row's last statistics program runs the filter pass over its row (one launch fewer)
     interpreter_sms=4,  # the SM count assumed without CUDA (TRITON_INTERPRET)
 )
 

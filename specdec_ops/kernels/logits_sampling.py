@@ -220,16 +220,18 @@ def _chunk_stats_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered,
 
 @triton.jit
 def _stats_kernel(
-    target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, stats_ptr, partial_ptr, hist_ptr,
-    workspace_ptr, k, vocab, chunk_len, rows_per_request, t_stride_b, t_stride_i, d_stride_b, d_stride_i,
-    temperature_stride, top_k_stride, top_p_stride,
+    target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, partial_ptr, hist_ptr,
+    ticket_ptr, candidates_ptr, kept_mass_ptr, workspace_ptr, k, vocab, chunk_len, rows_per_request, t_stride_b,
+    t_stride_i, d_stride_b, d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
     HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_BINS: tl.constexpr,
-    BIN_SCALE: tl.constexpr, BLOCK_C: tl.constexpr,
+    BIN_SCALE: tl.constexpr, BLOCK_C: tl.constexpr, FUSED_FILTER: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+    NUM_PROBES: tl.constexpr, CAP: tl.constexpr,
 ):
     """Row g = b * rows_per_request + r (target row r <= k, else draft row r - k - 1), chunk c: the chunk's
     statistics into partial [g, c, 4] (and its histogram into hist [g, c, NUM_BINS] for a row that top-k or
     top-p filters); the row's last program combines them in chunk order into stats [g] = (m, tau, S, argmax):
-    tau is -inf's key, or for a filtered row the lower bound of the filter pass's candidates."""
+    tau is -inf's key, or for a filtered row the lower bound of the filter pass's candidates. FUSED_FILTER: that
+    program then runs the filter pass over the whole row itself (no `_filter_kernel` launch)."""
     g = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -258,8 +260,9 @@ def _stats_kernel(
                        tl.where(which == 1, total.to(tl.int32, bitcast=True),
                                 tl.where(which == 2, argmax, top_bin.to(tl.int32, bitcast=True))))
     tl.store(partial_ptr + slot * 4 + which, partial)
-    if take_ticket_tl(workspace_ptr + g) == num_chunks - 1:
-        reset_ticket_tl(workspace_ptr + g)
+    tl.debug_barrier()  # every thread's partial and histogram are stored before the ticket publishes them
+    if take_ticket_tl(ticket_ptr + g) == num_chunks - 1:
+        reset_ticket_tl(ticket_ptr + g)
         chunk = tl.arange(0, BLOCK_C)
         in_row = chunk < num_chunks
         base = partial_ptr + (g * num_chunks + chunk) * 4
@@ -295,6 +298,13 @@ def _stats_kernel(
             ok = (shallowest < NUM_BINS) & (row_bin > float("-inf")) & (row_bin < float("inf"))
             tau = tl.where(ok, _order_key_tl(bound_x / t), tau)
         _store_stats_tl(stats_ptr + g * 4, m, tau, mass, argmax)
+        if FUSED_FILTER:
+            tl.debug_barrier()  # the statistics are stored before the filter pass reads them
+            min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
+            _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, 0, 1, 0, vocab, temperature, top_k, top_p, min_e,
+                           stats_ptr, candidates_ptr, kept_mass_ptr, workspace_ptr, k, vocab, t_stride_b,
+                           t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP,
+                           BLOCK_C)
 
 @triton.jit
 def _gather_chunk_tl(row_ptr, start, end, t, lo, candidates_ptr, slot_ptr, CAP: tl.constexpr,
@@ -350,27 +360,11 @@ def _search_fallback_tl(row_ptr, vocab, t, m, mass_all, k_on, top_k, p_on, top_p
     return tau32, tl.sum(kept_mass, axis=0)
 
 @triton.jit
-def _filter_kernel(
-    target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, candidates_ptr,
-    partial_ptr, workspace_ptr, k, vocab, chunk_len, rows_per_request, t_stride_b, t_stride_i, d_stride_b,
-    d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
-    HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-    NUM_PROBES: tl.constexpr, CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """The thresholds of the filtered rows (rows no filter touches return at once). Every chunk appends its
-    entries at or above the statistics pass's bound to the row's candidates [g, CAP] (with top-k or top-p on), or
-    its kept mass to partial [g, c] (min-p alone); the row's last program sorts the candidates and writes the
-    exact tau and S into stats [g]. A row with more than CAP candidates, or whose candidates do not hold the
-    kept set, takes the full threshold search in that program."""
-    g = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    num_chunks = tl.num_programs(1)
-    b = g // rows_per_request
-    r = g % rows_per_request
-    temperature = tl.load(temperature_ptr + b * temperature_stride)
-    top_k = tl.load(top_k_ptr + b * top_k_stride).to(tl.int64)
-    top_p = tl.load(top_p_ptr + b * top_p_stride)
-    min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
+def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, c, num_chunks, start, end, temperature, top_k, top_p,
+                   min_e, stats_ptr, candidates_ptr, partial_ptr, workspace_ptr, k, vocab, t_stride_b, t_stride_i,
+                   d_stride_b, d_stride_i, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Chunk [start, end) of row g's filter pass (one of num_chunks programs; see `_filter_kernel`)."""
     k_on = (top_k > 0) & (top_k < vocab)
     p_on = top_p < 1.0
     searched = k_on | p_on
@@ -378,8 +372,6 @@ def _filter_kernel(
         t = temperature
         m = tl.load(stats_ptr + g * 4).to(tl.float32, bitcast=True)
         lo = tl.load(stats_ptr + g * 4 + 1)
-        start = c * chunk_len
-        end = tl.minimum(start + chunk_len, vocab)
         candidates = candidates_ptr + g * CAP
         slot_ptr = workspace_ptr + 2 * g
         kept_mass = tl.zeros([], tl.float32)
@@ -396,6 +388,7 @@ def _filter_kernel(
             else:
                 kept_mass = _chunk_kept_mass_tl(row_ptr, start, end, t, m, min_e, BLOCK_V, NUM_STAGES)
         tl.store(partial_ptr + g * num_chunks + c, kept_mass)
+        tl.debug_barrier()  # every thread's candidates and mass are stored before the ticket publishes them
         if take_ticket_tl(workspace_ptr + 2 * g + 1) == num_chunks - 1:
             reset_ticket_tl(workspace_ptr + 2 * g + 1)
             count = tl.atomic_xchg(slot_ptr, 0, sem="relaxed").to(tl.int32)
@@ -419,6 +412,35 @@ def _filter_kernel(
                                       cache_modifier=".cg"), axis=0)
             which = tl.arange(0, 2)
             tl.store(stats_ptr + g * 4 + 1 + which, tl.where(which == 0, tau, mass.to(tl.int32, bitcast=True)))
+
+
+@triton.jit
+def _filter_kernel(
+    target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, candidates_ptr,
+    partial_ptr, workspace_ptr, k, vocab, chunk_len, rows_per_request, t_stride_b, t_stride_i, d_stride_b,
+    d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
+    HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+    NUM_PROBES: tl.constexpr, CAP: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """The thresholds of the filtered rows (rows no filter touches return at once). Every chunk appends its
+    entries at or above the statistics pass's bound to the row's candidates [g, CAP] (with top-k or top-p on), or
+    its kept mass to partial [g, c] (min-p alone); the row's last program sorts the candidates and writes the
+    exact tau and S into stats [g]. A row with more than CAP candidates, or whose candidates do not hold the
+    kept set, takes the full threshold search in that program."""
+    g = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    b = g // rows_per_request
+    r = g % rows_per_request
+    temperature = tl.load(temperature_ptr + b * temperature_stride)
+    top_k = tl.load(top_k_ptr + b * top_k_stride).to(tl.int64)
+    top_p = tl.load(top_p_ptr + b * top_p_stride)
+    min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
+    start = c * chunk_len
+    _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, c, num_chunks, start, tl.minimum(start + chunk_len, vocab),
+                   temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, partial_ptr, workspace_ptr, k, vocab,
+                   t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP,
+                   BLOCK_C)
 
 @triton.jit
 def _prob_tl(x, t, m, tau, mass, min_e):
@@ -824,9 +846,10 @@ def _gather_cap(device, gather_cap):
 
 
 def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_k, top_p, min_p, block_v,
-                    num_chunks, gather_cap):
+                    num_chunks, gather_cap, fused_filter=None):
     """stats int32 [rows, 4] = (m, tau, S, argmax) of every logit row: target [B, R, V] rows r <= k, then the draft
-    logits [B, k, V] (or None) as rows k+1 .. 2k. Two launches: the statistics pass and the filter pass."""
+    logits [B, k, V] (or None) as rows k+1 .. 2k. The statistics pass, then the filter pass (a launch of its own, or
+    with fused_filter, default LOGITS_SAMPLING["fused_filter"], run by each row's last statistics program)."""
     geometry = LOGITS_SAMPLING
     batch, _, vocab = target.shape
     device = target.device
@@ -841,30 +864,34 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     hist = torch.empty((rows, num_chunks, geometry["hist_bins"]), dtype=torch.int32, device=device)
     candidates = torch.empty((rows, cap), dtype=torch.float32, device=device)
     kept_mass = torch.empty((rows, num_chunks), dtype=torch.float32, device=device)
-    # Per row: the candidates' slot counter and a ticket (the statistics pass uses the first word), zero between calls.
-    workspace = zeroed_scratch(device, 2 * rows)
+    # Per row: the candidates' slot counter and the filter pass's ticket, then the statistics pass's tickets; zero
+    # between calls.
+    workspace = zeroed_scratch(device, 3 * rows)
     block_c = triton.next_power_of_2(num_chunks)
+    fused = bool(geometry["fused_filter"]) if fused_filter is None else fused_filter
+    params = (temperature, top_k, top_p, min_p)
+    param_strides = (temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0))
+    search = dict(SEARCH_BLOCK=min(geometry["search_block"], block_v), NUM_PROBES=geometry["num_probes"], CAP=cap)
     _stats_kernel[(rows, num_chunks)](
-        target, draft, temperature, top_k, top_p, stats, partial, hist, workspace,
-        k, vocab, chunk_len, rows_per_request, *strides, temperature.stride(0), top_k.stride(0), top_p.stride(0),
+        target, draft, *params, stats, partial, hist, workspace[2 * rows:], candidates, kept_mass, workspace,
+        k, vocab, chunk_len, rows_per_request, *strides, *param_strides,
         HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"],
-        NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"], BLOCK_C=block_c,
-        num_warps=geometry["num_warps"],
+        NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"], BLOCK_C=block_c, FUSED_FILTER=fused,
+        **search, num_warps=geometry["num_warps"],
     )
-    _filter_kernel[(rows, num_chunks)](
-        target, draft, temperature, top_k, top_p, min_p, stats, candidates, kept_mass, workspace,
-        k, vocab, chunk_len, rows_per_request, *strides, temperature.stride(0), top_k.stride(0), top_p.stride(0),
-        min_p.stride(0),
-        HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"],
-        SEARCH_BLOCK=min(geometry["search_block"], block_v), NUM_PROBES=geometry["num_probes"], CAP=cap,
-        BLOCK_C=block_c, num_warps=geometry["num_warps"],
-    )
+    if not fused:
+        _filter_kernel[(rows, num_chunks)](
+            target, draft, *params, stats, candidates, kept_mass, workspace,
+            k, vocab, chunk_len, rows_per_request, *strides, *param_strides,
+            HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"], BLOCK_C=block_c,
+            **search, num_warps=geometry["num_warps"],
+        )
     return stats
 
 
 def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits, temperature, top_k, top_p, min_p,
                       seeds, offsets, block_verification, counters, with_logprobs, block_v=None, gather_cap=None,
-                      num_chunks=None):
+                      num_chunks=None, fused_filter=None):
     batch, k = draft_token_ids.shape
     vocab = target_logits.shape[2]
     device = target_logits.device
@@ -877,7 +904,7 @@ def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits,
     has_probs = draft_probs is not None
     num_rows = k + 1 + (k if has_logits else 0)
     stats = _row_statistics(target_logits, draft_logits, k, num_rows, temperature, top_k, top_p, min_p, block_v,
-                            num_chunks, gather_cap)
+                            num_chunks, gather_cap, fused_filter)
     q = draft_probs if has_probs else (draft_logits if has_logits else target_logits)
     q_strides = (q.stride(0), q.stride(1)) if (has_probs or has_logits) else (0, 0)
     common = (k, vocab, num_rows)
@@ -941,7 +968,7 @@ def _rejection_logprobs_counted_triton(target_logits, draft_token_ids, draft_pro
 
 
 def _launch_draft(logits, temperature, top_k, top_p, min_p, seeds, positions, probs, block_v=None, gather_cap=None,
-                  num_chunks=None):
+                  num_chunks=None, fused_filter=None):
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -949,7 +976,7 @@ def _launch_draft(logits, temperature, top_k, top_p, min_p, seeds, positions, pr
     geometry = LOGITS_SAMPLING
     with_probs = probs is not None
     stats = _row_statistics(logits[:, None], None, 0, 1, temperature, top_k, top_p, min_p, block_v, num_chunks,
-                            gather_cap)
+                            gather_cap, fused_filter)
     block_v, chunk_len, num_chunks = _plan(rows, vocab, logits.device, block_v, num_chunks)
     workspace = zeroed_scratch(logits.device, 2 * rows)  # per row: the packed race maximum and a ticket
     _draft_race_kernel[(rows, num_chunks)](
