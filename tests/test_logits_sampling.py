@@ -561,6 +561,51 @@ def test_triton_sample_draft_filtered_split_vocab():
                        expected)
 
 
+def scratch_is_zeroed():
+    from specdec_ops.kernels import scratch
+    return bool(scratch._scratch) and all(int(buf.count_nonzero()) == 0 for buf in scratch._scratch.values())
+
+
+@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA, reason="needs the Triton interpreter")
+def test_triton_split_vocab_in_reversed_program_order(monkeypatch):
+    """On a GPU any program of a row may draw its last ticket; the interpreter runs them in grid order, so the last
+    one is always the row's last chunk. Here every launch runs its programs in reverse (rows and chunks), so chunk 0
+    finishes each row: the results must not depend on which chunk that is (no state of the finishing program's own
+    chunk used after its ticket). Every path (sorted candidates, the cap's overflow into the full search, min-p
+    alone, greedy rows, the fused filter, the draft race) must leave the persistent scratch zeroed."""
+    from triton.runtime import interpreter
+    builder = interpreter.interpreter_builder
+    if not hasattr(builder, "set_grid_dim") or not hasattr(builder, "set_grid_idx"):
+        pytest.skip("this Triton's interpreter has no set_grid_dim / set_grid_idx")
+    in_grid_order = builder.set_grid_idx
+
+    def reversed_order(x, y, z):
+        nx, ny, nz = builder.grid_dim
+        in_grid_order(nx - 1 - x, ny - 1 - y, nz - 1 - z)
+
+    monkeypatch.setattr(builder, "set_grid_idx", reversed_order)
+    gen = torch.Generator().manual_seed(95)
+    args = list(make_case(96, 4, 3, 150, draft="probs"))
+    args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
+    args[0][0] = torch.round(torch.randn(4, 150, generator=gen) * 4) / 2  # request 0 flat: the cap overflows
+    args[4] = torch.tensor([0.9, 0.0, 0.7, 1.0])
+    args[5] = torch.tensor([5, 3, 40, 0])
+    args[6] = torch.tensor([0.9, 0.8, 1.0, 1.0])
+    args[7] = torch.tensor([0.0, 0.0, 0.02, 0.1])
+    args[2] = contract.processed_distribution(args[0][:, :3] + torch.randn(4, 3, 150, generator=gen) * 0.5, *args[4:8])
+    check_against_reference(run_triton, tuple(args), False, block_v=16, num_chunks=5, gather_cap=64)
+    assert scratch_is_zeroed()
+    draft_args = list(make_draft_case(73, 10, 120))
+    draft_args[0] = torch.where(torch.isinf(draft_args[0]), draft_args[0], peaked_logits(gen, draft_args[0].shape))
+    expected_probs = torch.empty(10, 120)
+    expected = specdec_ops.sample_draft_filtered_reference(*draft_args, probs=expected_probs)
+    probs = torch.full((10, 120), -1.0)
+    assert torch.equal(draft_triton(tuple(draft_args), probs, block_v=16, num_chunks=4, gather_cap=32,
+                                    fused_filter=True), expected)
+    torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-7)
+    assert scratch_is_zeroed()
+
+
 def test_sample_draft_filtered_writes_a_strided_column():
     args = make_draft_case(71, 5, 33)
     buf = torch.full((5, 3, 33), 7.0)
