@@ -477,6 +477,26 @@ def test_batch_invariance_and_fresh_draws(kernel):
     assert not torch.equal(kernel(tuple(moved), False), alone)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_row_sums_do_not_depend_on_the_batch():
+    """A row's S, so its logprobs and the draft's probabilities, is combined from chunks of a fixed length: bit for
+    bit the same alone as in a batch of 8, though the race passes split a small batch into more chunks (V = 300 in
+    blocks of 16: several statistics chunks). A chunking that followed the batch size fails this for some rows."""
+    args = make_case(43, 8, 2, 300, params="off", ties=False)
+    out, logprobs = run_triton(args, False, logprobs=True, block_v=16)
+    draft_args = (args[0][:, 0].contiguous(), *args[4:10])
+    probs = torch.empty(8, 300)
+    draft_triton(draft_args, probs, block_v=16)
+    for row in range(8):
+        one = tuple(None if a is None else a[row:row + 1] for a in args)
+        out_one, logprobs_one = run_triton(one, False, logprobs=True, block_v=16)
+        assert torch.equal(out_one, out[row:row + 1])
+        assert torch.equal(logprobs_one, logprobs[row:row + 1])
+        probs_one = torch.empty(1, 300)
+        draft_triton(tuple(a[row:row + 1] for a in draft_args), probs_one, block_v=16)
+        assert torch.equal(probs_one, probs[row:row + 1])
+
+
 @pytest.mark.parametrize("params", ["off", "filters"])
 def test_non_finite_rows_stay_in_range(params):
     """NaN, +inf and all -inf rows: tokens unspecified but in [0, V), with the searches bounded; the other rows as

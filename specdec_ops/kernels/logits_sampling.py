@@ -6,7 +6,9 @@ to int32 so that integer order is float order, -0.0 with +0.0), the kept mass S 
 probability exp(z - m) / S where they need one.
 
 Every pass splits a row's V into chunks across programs, a grid of (rows, chunks) from the shapes and the SM count
-only (kernels/geometry.py LOGITS_SAMPLING); the programs of a row meet through its words in the persistent zeroed
+only (kernels/geometry.py LOGITS_SAMPLING). The statistics and filter passes use chunks of a fixed length, so a
+row's sums are the same whatever batch it is in (batch invariance); the race passes, whose winners are exact maxima,
+take more chunks when the batch is small. The programs of a row meet through its words in the persistent zeroed
 scratch (kernels/scratch.py): an atomic ticket (kernels/ticket.py) elects the row's last program, which combines
 the others' results in chunk order and leaves the words at 0 (no memset; graph-capturable, no host sync).
 
@@ -33,8 +35,9 @@ the others' results in chunk order and leaves the words at 0 (no memset; graph-c
    sample_draft_filtered: passes 1 and 2 over its rows, then `_draft_race_kernel` over (rows, chunks): the Gumbel
    race of each chunk's kept entries (and their probabilities) into the row's atomic max.
 
-Sums are float32 in these kernels' orders, deterministic (chunk order, no float atomics); exp and log come from
-the GPU's libraries, so results equal the reference except at near-ties (the contract's "Float rounding").
+Sums are float32 in these kernels' orders, deterministic (chunk order, no float atomics) and independent of the
+batch; exp and log come from the GPU's libraries, so results equal the reference except at near-ties (the
+contract's "Float rounding").
 """
 from __future__ import annotations
 
@@ -827,8 +830,9 @@ def _draft_race_kernel(
 
 
 def _plan(rows, vocab, device, block_v=None, num_chunks=None):
-    """(BLOCK_V, chunk_len, num_chunks) of a pass over `rows` logit rows: chunks of at most max_chunk entries, and
-    more when the rows are too few to give every SM programs_per_sm programs (a chunk is at least one block)."""
+    """(BLOCK_V, chunk_len, num_chunks) of a race pass over `rows` logit rows: chunks of at most max_chunk entries,
+    and more when the rows are too few to give every SM programs_per_sm programs (a chunk is at least one block).
+    A race's winner is an exact maximum, so its result does not depend on the chunking."""
     geometry = LOGITS_SAMPLING
     block_v = block_v or min(geometry["block_v"], max(16, triton.next_power_of_2(vocab)))
     if num_chunks is None:
@@ -836,6 +840,19 @@ def _plan(rows, vocab, device, block_v=None, num_chunks=None):
         wanted = max(triton.cdiv(geometry["programs_per_sm"] * sms, rows),
                      triton.cdiv(vocab, geometry["max_chunk"]))
         num_chunks = max(1, min(wanted, triton.cdiv(vocab, block_v)))
+    chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), block_v) * block_v
+    return block_v, chunk_len, triton.cdiv(vocab, chunk_len)
+
+
+def _statistics_plan(vocab, device, block_v=None, num_chunks=None):
+    """(BLOCK_V, chunk_len, num_chunks) of the statistics and filter passes: chunks of a fixed length, from V and the
+    device alone. A row's S and its filter path come from its chunks' partials, combined in chunk order, so a
+    chunking that followed the batch size would make a row's results depend on the batch it is in."""
+    geometry = LOGITS_SAMPLING
+    block_v = block_v or min(geometry["block_v"], max(16, triton.next_power_of_2(vocab)))
+    if num_chunks is None:
+        length = geometry["stats_chunk"] if device.type == "cuda" else geometry["interpreter_stats_chunk"]
+        num_chunks = triton.cdiv(vocab, max(length, block_v))
     chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), block_v) * block_v
     return block_v, chunk_len, triton.cdiv(vocab, chunk_len)
 
@@ -854,7 +871,7 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     batch, _, vocab = target.shape
     device = target.device
     rows = batch * rows_per_request
-    block_v, chunk_len, num_chunks = _plan(rows, vocab, device, block_v, num_chunks)
+    block_v, chunk_len, num_chunks = _statistics_plan(vocab, device, block_v, num_chunks)
     cap = _gather_cap(device, gather_cap)
     has_logits = draft_logits is not None
     draft = draft_logits if has_logits else target
