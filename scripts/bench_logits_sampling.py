@@ -9,12 +9,21 @@ For k = 4, V in 32000 and 128256, B in 1, 16, 64, 256, target logits in bfloat16
 - ``torch``: the plain-PyTorch pipeline on the same inputs: temperature, sort-based top-k/top-p and softmax over
   the target and draft logits (writing [B, k+1, V] and [B, k, V] probabilities), then specdec_ops.rejection_sample.
 
+Inputs (``--inputs``): ``peaked`` rows are LLM-like: a bulk of N(0, 2^2) logits and 64 tokens per row lifted by
+4 + Exp(mean 4), so that the top token leads the median by about 15 and top-p 0.9 keeps a handful to a few dozen
+tokens; ``flat`` rows are N(0, 3^2) everywhere (no leading tokens: top-k's cut-off lies in a dense region, the harder
+case for the threshold search). The draft's logits are the target's plus N(0, 1) noise. Filters off, the kernels'
+work does not depend on the values, so only the filtered rows are timed on both inputs.
+
 On CUDA the time is GPU microseconds per call from replays of a CUDA graph of 100 calls (scripts/_timing.py), and
 "x floor" is the time over the read floor: the target and draft inputs read once at 4.3 TB/s (the ``probs`` row
 counts its float32 q). On CPU (``--device cpu``) the time is host wall-clock per call, smaller sizes, for a smoke
 run of the script itself; the floor column is then omitted.
 
-    python scripts/bench_logits_sampling.py [--quick] [--device cuda|cpu] [--geometry BLOCK_V=2048,NUM_WARPS=16]
+    python scripts/bench_logits_sampling.py [--quick] [--device cuda|cpu] [--geometry block_v=2048,num_warps=8]
+
+``--quick``: V = 32000 and B = 1, 64, 256 (the target sizes) only; without it the whole grid (about 4 minutes on an
+H200).
 """
 from __future__ import annotations
 
@@ -32,9 +41,18 @@ PEAK_BYTES_PER_S = 4.3e12
 FILTERS = {"off": (1.0, 0, 1.0, 0.0), "top-k+top-p": (0.8, 50, 0.9, 0.0)}
 
 
-def make_inputs(batch, vocab, dtype, filters, device, seed=0):
+def make_logits(shape, inputs, gen, device):
+    if inputs == "flat":
+        return torch.randn(*shape, generator=gen, device=device) * 3
+    logits = torch.randn(*shape, generator=gen, device=device) * 2
+    lead = torch.rand(*shape, generator=gen, device=device).argsort(-1)[..., :64]
+    lift = 4 + torch.empty(*shape[:-1], 64, device=device).exponential_(1 / 4, generator=gen)
+    return logits.scatter_add_(-1, lead, lift)
+
+
+def make_inputs(batch, vocab, dtype, filters, device, inputs="peaked", seed=0):
     gen = torch.Generator(device=device).manual_seed(batch * 7 + vocab + seed)
-    target = torch.randn(batch, K + 1, vocab, generator=gen, device=device) * 3
+    target = make_logits((batch, K + 1, vocab), inputs, gen, device)
     draft_logits = target[:, :K] + torch.randn(batch, K, vocab, generator=gen, device=device)
     t, top_k, top_p, min_p = FILTERS[filters]
     params = (torch.full((batch,), t, device=device), torch.full((batch,), top_k, device=device, dtype=torch.int32),
@@ -75,8 +93,8 @@ def time_us(fn, device, replays):
     return statistics.median(samples)
 
 
-def bench(batch, vocab, dtype, filters, device, replays):
-    target, draft, draft_logits, q, params, seeds, offsets = make_inputs(batch, vocab, dtype, filters, device)
+def bench(batch, vocab, dtype, filters, inputs, device, replays, ops=("logits", "probs", "block")):
+    target, draft, draft_logits, q, params, seeds, offsets = make_inputs(batch, vocab, dtype, filters, device, inputs)
     temperature, top_k, top_p, min_p = params
     counters = torch.zeros(3, dtype=torch.int64, device=device)
     elem = target.element_size()
@@ -91,6 +109,7 @@ def bench(batch, vocab, dtype, filters, device, replays):
             target, draft, *params, seeds, offsets, draft_logits=draft_logits, block_verification=True,
             counters=counters), (2 * K + 1) * batch * vocab * elem),
     }
+    calls = {name: call for name, call in calls.items() if name in ops}
     filtered = filters != "off"
 
     def pipeline():
@@ -101,54 +120,61 @@ def bench(batch, vocab, dtype, filters, device, replays):
     if batch <= 16 and vocab <= 32000:  # spot check against the reference (CPU) before timing
         for name, kwargs in (("logits", dict(draft_logits=draft_logits)), ("probs", dict(draft_probs=q)),
                              ("block", dict(draft_logits=draft_logits, block_verification=True))):
+            if name not in ops:
+                continue
             got = specdec_ops.rejection_sample_logits(target, draft, *params, seeds, offsets, **kwargs)
             cpu = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
             expected = specdec_ops.rejection_sample_logits_reference(
                 target.cpu(), draft.cpu(), *(t.cpu() for t in params), seeds.cpu(), offsets.cpu(), **cpu)
             if not torch.equal(got.cpu(), expected):
-                print(f"note: {name} B={batch} V={vocab} {dtype} {filters}: differs from the reference in "
+                print(f"note: {name} B={batch} V={vocab} {dtype} {filters} {inputs}: differs from the reference in "
                       f"{int((got.cpu() != expected).any(1).sum())} of {batch} rows (a near-tie, or a bug)")
-    torch_us = time_us(pipeline, device, replays)
+    torch_us = time_us(pipeline, device, max(3, replays // 2))
     rows = []
     for name, (fn, floor_bytes) in calls.items():
         us = time_us(fn, device, replays)
-        rows.append((name, str(dtype).replace("torch.", ""), filters, batch, vocab, us, floor_bytes,
-                     torch_us if name == "logits" else None))
+        rows.append((name, str(dtype).replace("torch.", ""), filters, inputs, batch, vocab, us, floor_bytes,
+                     torch_us if name == ops[0] else None))
     return rows
 
 
-def print_table(rows, device):
-    print("| op | dtype | filters | B | V | us/call | x floor | torch pipeline us | speedup |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-    for name, dtype, filters, batch, vocab, us, floor_bytes, torch_us in rows:
+HEADER = ("| op | dtype | filters | inputs | B | V | us/call | x floor | torch pipeline us | speedup |\n"
+          "|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+
+
+def print_rows(rows, device):
+    for name, dtype, filters, inputs, batch, vocab, us, floor_bytes, torch_us in rows:
         floor = f"{us / (floor_bytes / PEAK_BYTES_PER_S * 1e6):.2f}" if device == "cuda" else "-"
         torch_cols = f"{torch_us:.1f} | {torch_us / us:.1f}x" if torch_us is not None else "- | -"
-        print(f"| {name} | {dtype} | {filters} | {batch} | {vocab} | {us:.2f} | {floor} | {torch_cols} |")
+        print(f"| {name} | {dtype} | {filters} | {inputs} | {batch} | {vocab} | {us:.2f} | {floor} | {torch_cols} |",
+              flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer sizes and replays (smoke run)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    parser.add_argument("--geometry", default="", help="override kernel constants, e.g. "
-                        "'BLOCK_V=2048,NUM_WARPS=16,NUM_PROBES=16,GATHER_CAP=1024,SEARCH_BLOCK=256'")
+    parser.add_argument("--geometry", default="", help="override entries of LOGITS_SAMPLING in "
+                        "specdec_ops/kernels/geometry.py, e.g. 'block_v=2048,num_warps=8,max_chunk=4096'")
+    parser.add_argument("--batches", default="", help="comma-separated B values instead of the default set")
+    parser.add_argument("--vocabs", default="", help="comma-separated V values instead of the default set")
+    parser.add_argument("--ops", default="logits,probs,block", help="which calls to time (the torch pipeline is "
+                        "compared with the first)")
     args = parser.parse_args()
-    from specdec_ops.kernels import logits_sampling as kernels
+    from specdec_ops.kernels.geometry import LOGITS_SAMPLING as geometry
 
     for item in filter(None, args.geometry.split(",")):
         name, value = item.split("=")
-        if not hasattr(kernels, f"_{name}"):
-            parser.error(f"--geometry: no constant _{name} in specdec_ops/kernels/logits_sampling.py")
-        setattr(kernels, f"_{name}", int(value))
-    geometry = {n: getattr(kernels, f"_{n}") for n in ("BLOCK_V", "NUM_WARPS", "SEARCH_BLOCK", "NUM_PROBES",
-                                                       "GATHER_CAP")}
+        if name not in geometry:
+            parser.error(f"--geometry: no entry {name!r} in LOGITS_SAMPLING (specdec_ops/kernels/geometry.py)")
+        geometry[name] = int(value)
     if args.device == "cuda":
         if not torch.cuda.is_available():
             print("no CUDA device; run with --device cpu for a smoke run")
             return 1
-        batches = [1, 64] if args.quick else [1, 16, 64, 256]
+        batches = [1, 64, 256] if args.quick else [1, 16, 64, 256]
         vocabs = [32000] if args.quick else [32000, 128256]
-        replays = 5 if args.quick else 20
+        replays = 5 if args.quick else 10
         print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton "
               f"{__import__('triton').__version__} | k = {K} | GPU us per call from CUDA-graph replays; x floor = "
               f"time / (inputs read once at {PEAK_BYTES_PER_S / 1e12:.1f} TB/s) | geometry {geometry}\n")
@@ -157,13 +183,15 @@ def main() -> int:
         vocabs = [2000] if args.quick else [32000]
         replays = 3
         print(f"# CPU smoke run | torch {torch.__version__} | k = {K} | host wall-clock us per call\n")
-    rows = []
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else batches
+    vocabs = [int(v) for v in args.vocabs.split(",")] if args.vocabs else vocabs
+    print(HEADER, flush=True)
     for vocab in vocabs:
         for dtype in (torch.bfloat16, torch.float32):
-            for filters in FILTERS:
+            for filters, inputs in (("off", "peaked"), ("top-k+top-p", "peaked"), ("top-k+top-p", "flat")):
                 for batch in batches:
-                    rows.extend(bench(batch, vocab, dtype, filters, args.device, replays))
-    print_table(rows, args.device)
+                    print_rows(bench(batch, vocab, dtype, filters, inputs, args.device, replays,
+                                     tuple(args.ops.split(","))), args.device)
     return 0
 
 

@@ -15,15 +15,27 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import specdec_ops  # noqa: E402,F401
 from specdec_ops.kernels import logits_sampling as kernels  # noqa: E402
+from specdec_ops.kernels.geometry import LOGITS_SAMPLING as GEOMETRY  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
-F32, I32, I64 = "*fp32", "i32", "*i64"
+
+# Pointer element types by argument name (the rest: int32 scalars, constexprs as given).
+POINTERS = {"target_ptr": "*bf16", "draft_logits_ptr": "*bf16", "logits_ptr": "*fp16", "q_ptr": "*fp32",
+            "temperature_ptr": "*fp32", "top_k_ptr": "*i32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
+            "stats_ptr": "*i32", "partial_ptr": "*i32", "hist_ptr": "*i32", "workspace_ptr": "*i64",
+            "candidates_ptr": "*fp32", "draft_ptr": "*i64", "seed_ptr": "*i64", "offset_ptr": "*i64",
+            "position_ptr": "*i64", "out_ptr": "*i64", "logprobs_ptr": "*fp32", "counters_ptr": "*i64",
+            "probs_ptr": "*fp32"}
 
 
-def compile_variant(fn, signature, constexprs, name) -> bool:
+def compile_variant(fn, constexprs, name, pointers=None) -> bool:
+    types = {**POINTERS, **(pointers or {})}
+    signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
+    if fn is kernels._filter_kernel:
+        signature["partial_ptr"] = "*fp32"  # the kept masses of min-p rows
     try:
         binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
-                                options={"num_warps": kernels._NUM_WARPS})
+                                options={"num_warps": GEOMETRY["num_warps"], "num_stages": GEOMETRY["num_stages"]})
     except Exception as error:  # report every variant, then fail
         print(f"{name}: FAILED: {type(error).__name__}: {str(error)[:3000]}")
         return False
@@ -33,41 +45,31 @@ def compile_variant(fn, signature, constexprs, name) -> bool:
 
 def main() -> int:
     ok = True
-    geometry = {"BLOCK_V": kernels._BLOCK_V, "SEARCH_BLOCK": kernels._SEARCH_BLOCK, "NUM_PROBES": kernels._NUM_PROBES,
-                "CAP": kernels._GATHER_CAP}
+    rows = dict(BLOCK_V=GEOMETRY["block_v"], NUM_STAGES=GEOMETRY["num_stages"], BLOCK_C=16)
+    search = {"SEARCH_BLOCK": GEOMETRY["search_block"], "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"]}
     for has_draft_logits in (False, True):
-        signature = {"target_ptr": "*bf16", "draft_logits_ptr": "*bf16", "temperature_ptr": F32, "top_k_ptr": "*i32",
-                     "top_p_ptr": F32, "min_p_ptr": F32, "stats_ptr": "*i32", "scratch_ptr": F32, "k": I32,
-                     "vocab": I32, "t_stride_b": I32, "t_stride_i": I32, "d_stride_b": I32, "d_stride_i": I32,
-                     "temperature_stride": I32, "top_k_stride": I32, "top_p_stride": I32, "min_p_stride": I32,
-                     "HAS_DRAFT_LOGITS": "constexpr", "BLOCK_V": "constexpr", "SEARCH_BLOCK": "constexpr",
-                     "NUM_PROBES": "constexpr", "CAP": "constexpr"}
-        ok &= compile_variant(kernels._row_stats_kernel, signature, {"HAS_DRAFT_LOGITS": has_draft_logits, **geometry},
-                              f"_row_stats_kernel(draft_logits={has_draft_logits})")
-    for probs, logits, block in ((True, False, False), (True, False, True), (False, True, False), (False, True, True),
-                                 (False, False, False), (False, False, True)):
-        signature = {"target_ptr": F32, "draft_ptr": I64, "q_ptr": F32, "temperature_ptr": F32, "min_p_ptr": F32,
-                     "seed_ptr": I64, "offset_ptr": I64, "stats_ptr": "*i32", "out_ptr": I64, "logprobs_ptr": F32,
-                     "counters_ptr": I64, "k": I32, "vocab": I32, "num_rows": I32, "t_stride_b": I32,
-                     "t_stride_i": I32, "draft_stride_b": I32, "q_stride_b": I32, "q_stride_i": I32,
-                     "temperature_stride": I32, "min_p_stride": I32, "seed_stride": I32, "offset_stride": I32,
-                     "HAS_DRAFT_PROBS": "constexpr", "HAS_DRAFT_LOGITS": "constexpr", "BLOCK": "constexpr",
-                     "WITH_LOGPROBS": "constexpr", "COUNT": "constexpr", "BLOCK_K": "constexpr",
-                     "BLOCK_V": "constexpr", "FAST_LOG": "constexpr"}
-        constexprs = {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits, "BLOCK": block, "WITH_LOGPROBS": True,
-                      "COUNT": True, "BLOCK_K": 8, "BLOCK_V": kernels._BLOCK_V, "FAST_LOG": True}
-        ok &= compile_variant(kernels._verify_kernel, signature, constexprs,
-                              f"_verify_kernel(draft_probs={probs}, draft_logits={logits}, block={block})")
-    signature = {"logits_ptr": "*fp16", "temperature_ptr": F32, "top_k_ptr": I64, "top_p_ptr": F32, "min_p_ptr": F32,
-                 "seed_ptr": I64, "position_ptr": I64, "out_ptr": I64, "probs_ptr": F32, "scratch_ptr": F32,
-                 "vocab": I32, "logits_stride": I32, "temperature_stride": I32, "top_k_stride": I32,
-                 "top_p_stride": I32, "min_p_stride": I32, "seed_stride": I32, "position_stride": I32,
-                 "probs_stride": I32, "WITH_PROBS": "constexpr", "BLOCK_V": "constexpr", "SEARCH_BLOCK": "constexpr",
-                 "NUM_PROBES": "constexpr", "CAP": "constexpr", "FAST_LOG": "constexpr"}
+        for fused in (False, True):
+            ok &= compile_variant(kernels._stats_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows,
+                                                          "NUM_BINS": GEOMETRY["hist_bins"],
+                                                          "BIN_SCALE": GEOMETRY["bin_scale"], "FUSED_FILTER": fused,
+                                                          **search},
+                                  f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused})",
+                                  {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"})
+        ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows, **search},
+                              f"_filter_kernel(draft_logits={has_draft_logits})")
+    for probs, logits in ((True, False), (False, True), (False, False)):
+        flags = {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits, "WITH_LOGPROBS": True, "COUNT": True,
+                 "BLOCK_K": 8, "BLOCK_V": GEOMETRY["block_v"], "FAST_LOG": True}
+        ok &= compile_variant(kernels._verify_kernel, {**flags, "BLOCK": True},
+                              f"_verify_kernel(draft_probs={probs}, draft_logits={logits}, block=True)",
+                              {"target_ptr": "*fp32"})
+        ok &= compile_variant(kernels._race_verify_kernel, {**flags, "NUM_STAGES": GEOMETRY["num_stages"]},
+                              f"_race_verify_kernel(draft_probs={probs}, draft_logits={logits})",
+                              {"target_ptr": "*fp32"})
     for with_probs in (False, True):
-        ok &= compile_variant(kernels._draft_kernel, signature,
-                              {"WITH_PROBS": with_probs, **geometry, "FAST_LOG": True},
-                              f"_draft_kernel(with_probs={with_probs})")
+        ok &= compile_variant(kernels._draft_race_kernel, {"WITH_PROBS": with_probs, "BLOCK_V": GEOMETRY["block_v"],
+                                                           "NUM_STAGES": GEOMETRY["num_stages"], "FAST_LOG": True},
+                              f"_draft_race_kernel(with_probs={with_probs})")
     return 0 if ok else 1
 
 

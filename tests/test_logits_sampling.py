@@ -81,22 +81,24 @@ def run_cpp(args, block, counters=None, logprobs=False, **_):
                                                counters=counters, return_logprobs=logprobs)
 
 
-def run_triton(args, block, counters=None, logprobs=False, block_v=None):
-    """The Triton kernels: through the op on CUDA, through the launcher under the interpreter (or a forced block)."""
+def run_triton(args, block, counters=None, logprobs=False, block_v=None, **launch):
+    """The Triton kernels: through the op on CUDA, through the launcher under the interpreter (or a forced block,
+    chunk count or cap: `launch` takes _launch_rejection's num_chunks and gather_cap)."""
     if HAS_CUDA:
         cuda_args = [None if a is None else a.cuda() for a in args]
         cuda_counters = None if counters is None else counters.cuda()
-        if block_v is None:
+        if block_v is None and not launch:
             result = run_cpp(cuda_args, block, cuda_counters, logprobs)
         else:
             contract.check_rejection_inputs(*cuda_args, cuda_counters)
-            result = kernels._launch_rejection(*cuda_args, block, cuda_counters, logprobs, block_v=block_v)
+            result = kernels._launch_rejection(*cuda_args, block, cuda_counters, logprobs, block_v=block_v,
+                                               **launch)
             result = result if logprobs else result[0]
         if counters is not None:
             counters.copy_(cuda_counters.cpu())
         return tuple(r.cpu() for r in result) if logprobs else result.cpu()
     contract.check_rejection_inputs(*args, counters)
-    out, lp = kernels._launch_rejection(*args, block, counters, logprobs, block_v=block_v)
+    out, lp = kernels._launch_rejection(*args, block, counters, logprobs, block_v=block_v, **launch)
     return (out, lp) if logprobs else out
 
 
@@ -402,6 +404,52 @@ def test_triton_multi_block_rows(block):
     check_against_reference(run_triton, args, block, block_v=16)
 
 
+def peaked_logits(gen, shape):
+    """LLM-like rows: a few strong candidates over a long low tail (a scaled Gumbel-ish spread), repeated values."""
+    base = torch.randn(*shape, generator=gen) * 1.5
+    lead = torch.rand(*shape, generator=gen) < 0.06
+    return torch.round(torch.where(lead, base + 6.0, base) * 4) / 4
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("num_chunks,cap,draft,fused", [(3, None, "logits", False), (5, 64, "probs", False),
+                                                        (4, 64, "logits", True)])
+def test_triton_split_vocab(num_chunks, cap, draft, fused):
+    """V split into chunks across programs in every pass (statistics, filter, race; V = 150, blocks of 16): the
+    partial statistics and histograms combined by each row's last program, the candidates gathered from all chunks,
+    the race winners met in the atomic maximum; peaked rows (the histogram's bound finishes them by the sort) and
+    flat ones (the cap of 32 or 64 overflows: the full search), both modes; `fused`: the filter pass run by each
+    row's last statistics program instead of its own launch."""
+    gen = torch.Generator().manual_seed(90 + num_chunks)
+    args = list(make_case(91 + num_chunks, 4, 3, 150, draft=draft))
+    args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
+    args[0][0] = torch.round(torch.randn(4, 150, generator=gen) * 4) / 2  # request 0 flat
+    args[4] = torch.tensor([0.9, 1.3, 0.7, 1.0])
+    args[5] = torch.tensor([5, 0, 40, 12])
+    args[6] = torch.tensor([0.9, 0.8, 1.0, 0.5])
+    args[7] = torch.tensor([0.0, 0.0, 0.02, 0.0])
+    if draft == "logits":
+        args[3] = (args[0][:, :3] + torch.randn(4, 3, 150, generator=gen) * 0.5).to(args[3].dtype)
+    else:
+        noisy = args[0][:, :3] + torch.randn(4, 3, 150, generator=gen) * 0.5
+        args[2] = contract.processed_distribution(noisy, *args[4:8])
+    for block in (False, True):
+        check_against_reference(run_triton, tuple(args), block, block_v=16, num_chunks=num_chunks,
+                                gather_cap=cap, fused_filter=fused)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_split_vocab_min_p_and_greedy():
+    """Split rows with min-p alone (the chunks' kept masses summed in order), greedy rows and filters off."""
+    args = list(make_case(97, 4, 2, 100, draft="logits"))
+    args[4] = torch.tensor([0.8, 0.0, 1.2, 1.0])
+    args[5] = torch.tensor([0, 3, 0, 0])
+    args[6] = torch.tensor([1.0, 0.5, 1.0, 1.0])
+    args[7] = torch.tensor([0.1, 0.0, 0.3, 0.0])
+    for fused in (False, True):
+        check_against_reference(run_triton, tuple(args), False, block_v=16, num_chunks=4, fused_filter=fused)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_gather_cap_of_the_gpu():
     """The CUDA configuration's cap (1024 candidates sorted in registers) on CPU tensors: every row of V = 40 is
@@ -412,7 +460,7 @@ def test_triton_gather_cap_of_the_gpu():
     expected, expected_lp = reference(args, False, logprobs=True)
     if HAS_CUDA:
         return  # the CUDA tests run this cap through the op
-    out, lp = kernels._launch_rejection(*args, False, None, True, gather_cap=kernels._GATHER_CAP)
+    out, lp = kernels._launch_rejection(*args, False, None, True, gather_cap=kernels.LOGITS_SAMPLING["cap"])
     assert torch.equal(out, expected)
     torch.testing.assert_close(lp, expected_lp, **LOGPROB_TOL)
 
@@ -427,6 +475,26 @@ def test_batch_invariance_and_fresh_draws(kernel):
     moved = list(args)
     moved[9] = args[9] + 1000  # new offsets: new draws
     assert not torch.equal(kernel(tuple(moved), False), alone)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_row_sums_do_not_depend_on_the_batch():
+    """A row's S, so its logprobs and the draft's probabilities, is combined from chunks of a fixed length: bit for
+    bit the same alone as in a batch of 8, though the race passes split a small batch into more chunks (V = 300 in
+    blocks of 16: several statistics chunks). A chunking that followed the batch size fails this for some rows."""
+    args = make_case(43, 8, 2, 300, params="off", ties=False)
+    out, logprobs = run_triton(args, False, logprobs=True, block_v=16)
+    draft_args = (args[0][:, 0].contiguous(), *args[4:10])
+    probs = torch.empty(8, 300)
+    draft_triton(draft_args, probs, block_v=16)
+    for row in range(8):
+        one = tuple(None if a is None else a[row:row + 1] for a in args)
+        out_one, logprobs_one = run_triton(one, False, logprobs=True, block_v=16)
+        assert torch.equal(out_one, out[row:row + 1])
+        assert torch.equal(logprobs_one, logprobs[row:row + 1])
+        probs_one = torch.empty(1, 300)
+        draft_triton(tuple(a[row:row + 1] for a in draft_args), probs_one, block_v=16)
+        assert torch.equal(probs_one, probs[row:row + 1])
 
 
 @pytest.mark.parametrize("params", ["off", "filters"])
@@ -461,15 +529,15 @@ def draft_cpp(args, probs=None, **_):
     return specdec_ops.sample_draft_filtered(*args, probs=probs)
 
 
-def draft_triton(args, probs=None, block_v=None):
+def draft_triton(args, probs=None, block_v=None, **launch):
     if HAS_CUDA:
         cuda_probs = None if probs is None else torch.empty_like(probs, device="cuda")
-        out = kernels._launch_draft(*(a.cuda() for a in args), cuda_probs, block_v=block_v).cpu()
+        out = kernels._launch_draft(*(a.cuda() for a in args), cuda_probs, block_v=block_v, **launch).cpu()
         if probs is not None:
             probs.copy_(cuda_probs.cpu())
         return out
     contract.check_draft_inputs(*args, probs)
-    return kernels._launch_draft(*args, probs, block_v=block_v)
+    return kernels._launch_draft(*args, probs, block_v=block_v, **launch)
 
 
 DRAFT_KERNELS = [pytest.param(draft_cpp, id="cpp")]
@@ -495,6 +563,67 @@ def test_sample_draft_filtered_matches_reference(kernel, params, dtype):
     assert torch.equal(kernel(args, probs, block_v=16), expected)
     torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-7)
     assert (expected_probs.gather(1, expected[:, None]) > 0).all()  # the token is in the kept set
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_sample_draft_filtered_split_vocab():
+    """sample_draft_filtered with V split into 4 chunks (blocks of 16): the chunks' Gumbel winners met in the row's
+    atomic maximum, each chunk's probabilities; peaked and mixed rows, greedy ones included."""
+    args = list(make_draft_case(73, 10, 120))
+    gen = torch.Generator().manual_seed(5)
+    args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
+    expected_probs = torch.empty(10, 120)
+    expected = specdec_ops.sample_draft_filtered_reference(*args, probs=expected_probs)
+    probs = torch.full((10, 120), -1.0)
+    assert torch.equal(draft_triton(tuple(args), probs, block_v=16, num_chunks=4), expected)
+    torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-7)
+    assert torch.equal(draft_triton(tuple(args), block_v=16, num_chunks=4, gather_cap=64, fused_filter=True),
+                       expected)
+
+
+def scratch_is_zeroed():
+    from specdec_ops.kernels import scratch
+    return bool(scratch._scratch) and all(int(buf.count_nonzero()) == 0 for buf in scratch._scratch.values())
+
+
+@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA, reason="needs the Triton interpreter")
+def test_triton_split_vocab_in_reversed_program_order(monkeypatch):
+    """On a GPU any program of a row may draw its last ticket; the interpreter runs them in grid order, so the last
+    one is always the row's last chunk. Here every launch runs its programs in reverse (rows and chunks), so chunk 0
+    finishes each row: the results must not depend on which chunk that is (no state of the finishing program's own
+    chunk used after its ticket). Every path (sorted candidates, the cap's overflow into the full search, min-p
+    alone, greedy rows, the fused filter, the draft race) must leave the persistent scratch zeroed."""
+    from triton.runtime import interpreter
+    builder = interpreter.interpreter_builder
+    if not hasattr(builder, "set_grid_dim") or not hasattr(builder, "set_grid_idx"):
+        pytest.skip("this Triton's interpreter has no set_grid_dim / set_grid_idx")
+    in_grid_order = builder.set_grid_idx
+
+    def reversed_order(x, y, z):
+        nx, ny, nz = builder.grid_dim
+        in_grid_order(nx - 1 - x, ny - 1 - y, nz - 1 - z)
+
+    monkeypatch.setattr(builder, "set_grid_idx", reversed_order)
+    gen = torch.Generator().manual_seed(95)
+    args = list(make_case(96, 4, 3, 150, draft="probs"))
+    args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
+    args[0][0] = torch.round(torch.randn(4, 150, generator=gen) * 4) / 2  # request 0 flat: the cap overflows
+    args[4] = torch.tensor([0.9, 0.0, 0.7, 1.0])
+    args[5] = torch.tensor([5, 3, 40, 0])
+    args[6] = torch.tensor([0.9, 0.8, 1.0, 1.0])
+    args[7] = torch.tensor([0.0, 0.0, 0.02, 0.1])
+    args[2] = contract.processed_distribution(args[0][:, :3] + torch.randn(4, 3, 150, generator=gen) * 0.5, *args[4:8])
+    check_against_reference(run_triton, tuple(args), False, block_v=16, num_chunks=5, gather_cap=64)
+    assert scratch_is_zeroed()
+    draft_args = list(make_draft_case(73, 10, 120))
+    draft_args[0] = torch.where(torch.isinf(draft_args[0]), draft_args[0], peaked_logits(gen, draft_args[0].shape))
+    expected_probs = torch.empty(10, 120)
+    expected = specdec_ops.sample_draft_filtered_reference(*draft_args, probs=expected_probs)
+    probs = torch.full((10, 120), -1.0)
+    assert torch.equal(draft_triton(tuple(draft_args), probs, block_v=16, num_chunks=4, gather_cap=32,
+                                    fused_filter=True), expected)
+    torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-7)
+    assert scratch_is_zeroed()
 
 
 def test_sample_draft_filtered_writes_a_strided_column():
@@ -760,4 +889,4 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(": ok (") == 10, result.stdout
+    assert result.stdout.count(": ok (") == 14, result.stdout

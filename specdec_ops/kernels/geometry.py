@@ -33,6 +33,29 @@ REJECTION_SAMPLE = dict(
 # One program per row, so wide blocks keep a row's two passes short.
 SAMPLE_DRAFT = dict(block_v=4096, num_warps=16)
 
+# rejection_sample_logits and sample_draft_filtered: every pass splits a row's V into chunks of at most max_chunk
+# entries (a multiple of block_v), more when the rows alone would give fewer than programs_per_sm programs per SM.
+# The statistics pass also counts each chunk's logits in hist_bins bins of width 1 / bin_scale below its maximum,
+# from which the filter pass picks the lower bound of its candidates; at most cap candidates per row are sorted in
+# registers (more take the full threshold search, one program per row, search_block entries by num_probes probes).
+LOGITS_SAMPLING = dict(
+    block_v=1024,
+    num_warps=4,
+    num_stages=3,
+    max_chunk=8192,  # the race passes: chunks of at most this many entries, more chunks for small batches
+    programs_per_sm=2,
+    # The statistics and filter passes: chunks of a fixed length (batch-invariant sums); 16 chunks of a 32000 row.
+    stats_chunk=2048,
+    interpreter_stats_chunk=64,  # TRITON_INTERPRET: small, so the CPU tests split their rows by default
+    hist_bins=64,
+    bin_scale=1,  # 63 logits deep: a peaked row's top token may lead its top_k-th by 30 and more
+    cap=1024,
+    search_block=256,
+    num_probes=16,
+    fused_filter=0,  # 1: each row's last statistics program runs the filter pass over its row (one launch fewer)
+    interpreter_sms=4,  # the SM count assumed without CUDA (TRITON_INTERPRET)
+)
+
 # greedy_verify and typical_acceptance: 8 warps from 2048-entry blocks on, else 4.
 VERIFY = dict(
     max_block_v=4096,

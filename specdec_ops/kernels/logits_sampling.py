@@ -1,35 +1,43 @@
 """Triton CUDA kernels of `specdec::rejection_sample_logits` and `specdec::sample_draft_filtered`.
 
 The contract is specdec_ops/ops/logits_sampling.py. No probability tensor is written: per logit row the kernels
-keep four numbers, the max m of z = x / T, the threshold tau of the kept set (an order key of z, below), the kept
-mass S and the argmax, and recompute a probability exp(z - m) / S where they need one.
+keep four numbers, the max m of z = x / T, the threshold tau of the kept set (an order key of z: float32 bits mapped
+to int32 so that integer order is float order, -0.0 with +0.0), the kept mass S and the argmax, and recompute a
+probability exp(z - m) / S where they need one.
 
-Row statistics (`_row_stats_tl`). Pass 1 streams the row once: the argmax of x, the max of z and an online sum of
-exp(z - m) (the mass S when no filter is active). With a filter active, the thresholds are found by a search over
-the order keys of z (float32 bits mapped to int32 so that integer order is float order, -0.0 with +0.0). top-k's
-threshold is the largest key t with count(>= t) >= top_k, top-p's the largest t >= tau_k with mass(>= t) >=
-top_p * mass(>= tau_k); both are entry keys, so ties at the cut-off are kept, as the contract says. A search pass
-evaluates NUM_PROBES candidate thresholds at once (the count and the mass of the entries at or above each), keeps
-the sub-interval where the condition flips and shrinks it to the smallest and largest entry keys inside it. The
-first pass of a search puts its probes at z = m - delta (delta geometric, 2**-3 to 2**4.5), where thresholds of
-real logits lie; later passes split the key interval evenly (at most 8 passes of 16 probes for 32-bit keys). A
-search stops as soon as at most CAP (1024) entries are at or above its lower bound: one more pass copies their z
-to a per-row scratch, and the exact thresholds and the kept mass come from sorting them in registers (tl.sort,
-tl.cumsum), with no further pass. So top-k + top-p on typical logits costs pass 1, one probe pass and the gather;
-a kept set larger than CAP (top-p over a flat distribution) takes the full search and a last pass that sums S.
-min-p needs no search (its test is e >= min_p).
+Every pass splits a row's V into chunks across programs, a grid of (rows, chunks) from the shapes and the SM count
+only (kernels/geometry.py LOGITS_SAMPLING). The statistics and filter passes use chunks of a fixed length, so a
+row's sums are the same whatever batch it is in (batch invariance); the race passes, whose winners are exact maxima,
+take more chunks when the batch is small. The programs of a row meet through its words in the persistent zeroed
+scratch (kernels/scratch.py): an atomic ticket (kernels/ticket.py) elects the row's last program, which combines
+the others' results in chunk order and leaves the words at 0 (no memset; graph-capturable, no host sync).
 
-rejection_sample_logits is two launches: `_row_stats_kernel`, one program per row of the target (k+1 per request)
-and of the draft logits (k more when given), writes the statistics to an int32 [B, rows, 4] buffer (floats as
-their bits); then `_verify_kernel`, one program per request, evaluates the accept tests at all k positions (p(x)
-and q(x) from the statistics and one logit each), block verification's residual masses when asked (a pass over
-row i for the i it needs, from k-1 down to the first that may stop), and the segmented race of
-specdec_ops/ops/sampling.py over the one rejected/bonus row, then writes the output row, the logprobs and the
-counters. sample_draft_filtered is one program per row: the statistics, then the Gumbel race over the kept
-entries and the probabilities.
+1. `_stats_kernel`: each chunk's max of x, its online sum of exp((x - max) / T) (one exponential per entry) and
+   its argmax; for a row with top-k or top-p on, also a histogram of its x in bins of width 1 / bin_scale below
+   its maximum (tl.histogram, a second read of the chunk from cache). The last program: m = max(x) / T (the
+   division rounds monotonically), S, the argmax (lowest index on ties), and for a filtered row the lower bound of
+   its candidates: the shallowest bin boundary at which the aligned histograms count top_k entries (top-k on), or
+   at which a lower bound of the mass reaches top_p * S (top-p alone); tau holds that bound until pass 2.
+2. `_filter_kernel` (rows no filter touches return at once): every chunk appends the z of its entries at or above
+   the bound to the row's candidates (an atomic slot counter; at most CAP are stored); the last program sorts them
+   in registers (tl.sort, tl.cumsum) and finds tau_k, M_k, tau_p and S exactly, ties at the cut-off kept, as the
+   contract says. The bound is only a guess: the finish checks that the candidates (an upper set of z) hold the
+   kept set (at least top_k of them, or a mass reaching top_p * M_k); a row that fails, or has more than CAP
+   candidates (top-p over a flat distribution), takes the full threshold search in that program
+   (`_search_fallback_tl`: passes of NUM_PROBES candidate thresholds over the row until the key is exact, then a
+   pass for S). min-p alone needs no search: the chunks' kept masses are summed in chunk order.
+3. Token-wise verification, `_race_verify_kernel` over (B, chunks): every program evaluates the k accept tests
+   (p(x), q(x) from the statistics and one logit each), races its chunk of the rejected/bonus row j with the
+   segmented race of specdec_ops/ops/sampling.py and folds its winner (key bits, V-1-token) into the request's
+   int64 atomic max; the last program writes the output row, the logprobs and the counters (and redraws from p_j
+   when the residual has no positive key, a slow path). Block verification keeps one program per request
+   (`_verify_kernel`): its residual masses need whole rows in order.
+   sample_draft_filtered: passes 1 and 2 over its rows, then `_draft_race_kernel` over (rows, chunks): the Gumbel
+   race of each chunk's kept entries (and their probabilities) into the row's atomic max.
 
-On CUDA, exp and log come from the GPU's libraries and the sums are float32 in this kernel's order, so results
-equal the reference except at near-ties (the contract's "Float rounding").
+Sums are float32 in these kernels' orders, deterministic (chunk order, no float atomics) and independent of the
+batch; exp and log come from the GPU's libraries, so results equal the reference except at near-ties (the
+contract's "Float rounding").
 """
 from __future__ import annotations
 
@@ -41,22 +49,15 @@ import triton.language as tl
 from .._library import register_cuda
 from ..ops.logits_sampling import check_draft_inputs, check_rejection_inputs
 
-# Rows are streamed in blocks of BLOCK_V entries (segments of 4 for the race); the threshold search compares
-# SEARCH_BLOCK entries with NUM_PROBES thresholds per step. Not tuned on a GPU yet.
-_BLOCK_V = 1024
-_SEARCH_BLOCK = 256
-_NUM_PROBES = 16
-_NUM_WARPS = 8
-# A search stops once at most this many entries are at or above its lower bound; they are then copied to a per-row
-# scratch and sorted in registers, which gives the thresholds exactly.
-_GATHER_CAP = 1024
-
 from .counter_hash import draw_bits_tl as _draw_bits_tl
 from .counter_hash import exponential_tl as _exponential_tl
 from .counter_hash import log_tl as _log_tl
 from .counter_hash import row_state_tl as _row_state_tl
 from .counters import add_counters_tl
+from .geometry import LOGITS_SAMPLING
 from .sampling import _segment_block_tl, _segment_pick_tl, _segment_race_start_tl, _segment_race_tl
+from .scratch import sm_count, zeroed_scratch
+from .ticket import reset_ticket_tl, take_ticket_tl
 
 @triton.jit
 def _order_key_tl(z):
@@ -64,11 +65,6 @@ def _order_key_tl(z):
     bits = z.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     return tl.where(key == -1, 0, key)
-
-@triton.jit
-def _key_to_float_tl(key):
-    """The float32 whose order key is key (int32): the inverse of _order_key_tl."""
-    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
 
 @triton.jit
 def _search_pass_tl(row_ptr, vocab, temperature, m, lo, hi, top_k, target,
@@ -144,112 +140,6 @@ def _search_tl(row_ptr, vocab, temperature, m, lo, hi, lo_mass, lo_count, top_k,
     return lo, lo_mass, lo_count
 
 @triton.jit
-def _gather_finish_tl(row_ptr, scratch_ptr, vocab, temperature, m, lo, k_pending, top_k, tau_k_z, mass_k,
-                      p_on, top_p, min_e, SEARCH_BLOCK: tl.constexpr, CAP: tl.constexpr):
-    """The exact thresholds and kept mass from the (at most CAP) entries with key >= lo, which hold every kept
-    entry: one pass copies their z into the row's scratch, then they are sorted in registers. k_pending: the
-    top-k threshold is still to find (else tau_k_z and mass_k are given). Returns (tau key int64, S)."""
-    lo32 = lo.to(tl.int32)
-    count = tl.zeros([], tl.int32)
-    for v0 in range(0, vocab, SEARCH_BLOCK):
-        v = v0 + tl.arange(0, SEARCH_BLOCK)
-        in_row = v < vocab
-        z = tl.load(row_ptr + v, mask=in_row, other=float("-inf")).to(tl.float32) / temperature
-        candidate = in_row & (_order_key_tl(z) >= lo32)
-        position = count + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
-        tl.store(scratch_ptr + position, z, mask=candidate & (position < CAP))
-        count += tl.sum(candidate.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the stores of every thread are visible to the loads below
-    count = tl.minimum(count, CAP)
-    index = tl.arange(0, CAP)
-    sorted_z = tl.sort(tl.load(scratch_ptr + index, mask=index < count, other=float("-inf")), descending=True)
-    e = tl.exp(sorted_z - m)  # 0 for the -inf padding
-    if k_pending:
-        tau_k_z = tl.max(tl.where(index == top_k - 1, sorted_z, float("-inf")), axis=0)
-        mass_k = tl.sum(tl.where(sorted_z >= tau_k_z, e, 0.0), axis=0)
-    tau_z = tau_k_z
-    if p_on:
-        # The first sorted position whose cumulative mass reaches top_p * M_k; its value is tau_p.
-        first = tl.sum((tl.cumsum(e, axis=0) < top_p * mass_k).to(tl.int32), axis=0)
-        first = tl.minimum(first, count - 1)
-        tau_z = tl.maximum(tau_z, tl.max(tl.where(index == first, sorted_z, float("-inf")), axis=0))
-    mass = tl.sum(tl.where((sorted_z >= tau_z) & (e >= min_e), e, 0.0), axis=0)
-    return _order_key_tl(tau_z).to(tl.int64), mass
-
-@triton.jit
-def _row_stats_tl(row_ptr, scratch_ptr, vocab, temperature, top_k, top_p, min_e,
-                  BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr,
-                  CAP: tl.constexpr):
-    """(m, tau key, S, argmax) of one logit row; m, tau and S only matter for a positive temperature."""
-    is_random = temperature > 0
-    t = tl.where(is_random, temperature, 1.0)
-    best_x = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_i = tl.full([BLOCK_V], 0, tl.int32) + vocab
-    lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    lane_sum = tl.zeros([BLOCK_V], tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
-        v = v0 + tl.arange(0, BLOCK_V)
-        in_row = v < vocab
-        x = tl.load(row_ptr + v, mask=in_row, other=float("-inf")).to(tl.float32)
-        # A lane visits increasing indices: its first entry, then only strictly larger ones (first index on
-        # ties, as torch.argmax).
-        better = in_row & ((x > best_x) | (best_i == vocab))
-        best_x = tl.where(better, x, best_x)
-        best_i = tl.where(better, v, best_i)
-        z = x / t
-        new_max = tl.maximum(lane_max, z)
-        finite = new_max > float("-inf")  # exp(-inf - -inf) would be NaN
-        lane_sum = tl.where(finite, lane_sum * tl.exp(lane_max - new_max) + tl.exp(z - new_max), 0.0)
-        lane_max = new_max
-    top = tl.max(best_x, axis=0)
-    argmax = tl.min(tl.where(best_x == top, best_i, vocab), axis=0)
-    argmax = tl.minimum(argmax, vocab - 1)
-    m = tl.max(lane_max, axis=0)
-    mass = tl.sum(tl.where(lane_max > float("-inf"), lane_sum * tl.exp(lane_max - m), 0.0), axis=0)
-    tau = tl.full([], -2139095041, tl.int64)  # the order key of -inf: every non-NaN entry is at or above
-    k_on = (top_k > 0) & (top_k < vocab)
-    p_on = top_p < 1.0
-    if is_random & (k_on | p_on | (min_e > 0)):
-        key_m = _order_key_tl(m).to(tl.int64)
-        lo = tau
-        lo_mass = mass
-        lo_count = tl.zeros([], tl.int32) + vocab
-        if k_on:
-            lo, lo_mass, lo_count = _search_tl(row_ptr, vocab, t, m, lo, key_m, lo_mass, lo_count,
-                                               top_k.to(tl.int32), 0.0, False, SEARCH_BLOCK, NUM_PROBES, CAP)
-        final_pass = (lo_count > CAP).to(tl.int32)
-        if lo_count <= CAP:
-            # The top-k set (or, top-k off, the whole row) is at most CAP entries: finish in registers.
-            # With top-k off, tau_k is -inf (lo's value) and M_k the row's mass (lo_mass).
-            tau, mass = _gather_finish_tl(row_ptr, scratch_ptr, vocab, t, m, lo, k_on, top_k,
-                                          _key_to_float_tl(lo.to(tl.int32)), lo_mass, p_on, top_p, min_e,
-                                          SEARCH_BLOCK, CAP)
-        else:
-            tau = lo  # tau_k exactly (the search converged), or -inf's key with top-k off
-            if p_on:
-                mass_k = lo_mass
-                tau_k_z = _key_to_float_tl(lo.to(tl.int32))
-                lo, p_mass, lo_count = _search_tl(row_ptr, vocab, t, m, lo, key_m, lo_mass, lo_count, 0,
-                                                  top_p * mass_k, True, SEARCH_BLOCK, NUM_PROBES, CAP)
-                tau = lo
-                if lo_count <= CAP:
-                    tau, mass = _gather_finish_tl(row_ptr, scratch_ptr, vocab, t, m, lo, False, top_k, tau_k_z,
-                                                  mass_k, True, top_p, min_e, SEARCH_BLOCK, CAP)
-                    final_pass = final_pass * 0
-        if final_pass != 0:
-            tau32 = tau.to(tl.int32)
-            kept_mass = tl.zeros([BLOCK_V], tl.float32)
-            for v0 in range(0, vocab, BLOCK_V):
-                v = v0 + tl.arange(0, BLOCK_V)
-                in_row = v < vocab
-                z = tl.load(row_ptr + v, mask=in_row, other=float("-inf")).to(tl.float32) / t
-                e = tl.exp(z - m)
-                kept = in_row & (_order_key_tl(z) >= tau32) & (e >= min_e)
-                kept_mass += tl.where(kept, e, 0.0)
-            mass = tl.sum(kept_mass, axis=0)
-    return m, tau.to(tl.int32), mass, argmax
-
-@triton.jit
 def _store_stats_tl(stats_ptr, m, tau, mass, argmax):
     # An int32 buffer: the floats travel as their bits, which no load or store changes.
     which = tl.arange(0, 4)
@@ -263,34 +153,297 @@ def _min_e_tl(min_p):
     return tl.where(min_p > 0, tl.minimum(min_p, 1.0), 0.0)
 
 @triton.jit
-def _row_stats_kernel(
-    target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, scratch_ptr,
-    k, vocab, t_stride_b, t_stride_i, d_stride_b, d_stride_i,
-    temperature_stride, top_k_stride, top_p_stride, min_p_stride,
-    HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+def _finish_sorted_tl(scratch_ptr, count, m, k_on, top_k, mass_all, p_on, top_p, min_e, CAP: tl.constexpr):
+    """The exact thresholds and kept mass from `count` (<= CAP) candidate z values in the row's scratch, an upper set
+    of z. Returns (tau key int32, S, whether the candidates hold the kept set: at least top_k of them with top-k
+    on, else a mass of at least top_p * mass_all). mass_all: the row's mass (M_k with top-k off)."""
+    index = tl.arange(0, CAP)
+    z = tl.load(scratch_ptr + index, mask=index < count, other=float("-inf"), cache_modifier=".cg")
+    sorted_z = tl.sort(z, descending=True)
+    e = tl.exp(sorted_z - m)  # 0 for the -inf padding
+    tau_k_z = tl.full([], float("-inf"), tl.float32)
+    mass_k = mass_all
+    enough = count >= 1
+    if k_on:
+        tau_k_z = tl.max(tl.where(index == top_k - 1, sorted_z, float("-inf")), axis=0)
+        mass_k = tl.sum(tl.where(sorted_z >= tau_k_z, e, 0.0), axis=0)
+        enough = count >= top_k
+    tau_z = tau_k_z
+    if p_on:
+        # The first sorted position whose cumulative mass reaches top_p * M_k; its value is tau_p.
+        cumulative = tl.cumsum(e, axis=0)
+        first = tl.sum((cumulative < top_p * mass_k).to(tl.int32), axis=0)
+        enough = tl.where(k_on, enough, first < count)
+        first = tl.minimum(first, count - 1)
+        tau_z = tl.maximum(tau_z, tl.max(tl.where(index == first, sorted_z, float("-inf")), axis=0))
+    mass = tl.sum(tl.where((sorted_z >= tau_z) & (e >= min_e), e, 0.0), axis=0)
+    return _order_key_tl(tau_z), mass, enough
+
+@triton.jit
+def _chunk_stats_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered,
+                    BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_BINS: tl.constexpr,
+                    BIN_SCALE: tl.constexpr):
+    """One chunk [start, end) of a logit row: (max x, sum of exp((x - max x) / t), argmax, the max's bin), and with
+    `filtered` the chunk's histogram of x (bins of width 1 / BIN_SCALE below the max's, the last bin holding the
+    rest) stored at hist_ptr [NUM_BINS] int32."""
+    scale = 1.4426950408889634 / t  # exp(d / t) = exp2(d * scale)
+    best_x = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK_V], 0, tl.int32) + vocab
+    lane_sum = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
+        v = v0 + tl.arange(0, BLOCK_V)
+        in_chunk = v < end
+        x = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf")).to(tl.float32)
+        # The lane's max is its argmax's value, so one exponential per entry keeps the online sum: of the
+        # entry below the max, or of the old max below a new one (then the sum is rescaled).
+        up = x > best_x
+        gap = tl.exp2(-tl.abs(x - best_x) * scale)
+        lane_sum = tl.where(up, lane_sum * gap + 1.0, lane_sum + gap)
+        lane_sum = tl.where(tl.maximum(best_x, x) > float("-inf"), lane_sum, 0.0)  # exp2(NaN) of -inf - -inf
+        # A lane visits increasing indices: its first entry, then only strictly larger ones (first index on
+        # ties, as torch.argmax).
+        better = in_chunk & (up | (best_i == vocab))
+        best_x = tl.where(better, x, best_x)
+        best_i = tl.where(better, v, best_i)
+    top = tl.max(best_x, axis=0)
+    argmax = tl.min(tl.where(best_x == top, best_i, vocab), axis=0)
+    total = tl.sum(tl.where(best_x > float("-inf"), lane_sum * tl.exp2((best_x - top) * scale), 0.0), axis=0)
+    top_bin = tl.floor(top * BIN_SCALE)
+    if filtered:
+        hist = tl.zeros([NUM_BINS], tl.int32)
+        for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
+            v = v0 + tl.arange(0, BLOCK_V)
+            in_chunk = v < end
+            x = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf")).to(tl.float32)
+            depth = top_bin - tl.floor(x * BIN_SCALE)
+            inside = in_chunk & (depth >= 0) & (depth < NUM_BINS - 1)  # NaN: outside
+            hist += tl.histogram(tl.where(inside, depth, NUM_BINS - 1).to(tl.int32), NUM_BINS)
+        tl.store(hist_ptr + tl.arange(0, NUM_BINS), hist)
+    return top, total, argmax, top_bin
+
+@triton.jit
+def _stats_kernel(
+    target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, partial_ptr, hist_ptr,
+    ticket_ptr, candidates_ptr, kept_mass_ptr, workspace_ptr, k, vocab, chunk_len, rows_per_request, t_stride_b,
+    t_stride_i, d_stride_b, d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
+    HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_BINS: tl.constexpr,
+    BIN_SCALE: tl.constexpr, BLOCK_C: tl.constexpr, FUSED_FILTER: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     NUM_PROBES: tl.constexpr, CAP: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1)
+    """Row g = b * rows_per_request + r (target row r <= k, else draft row r - k - 1), chunk c: the chunk's
+    statistics into partial [g, c, 4] (and its histogram into hist [g, c, NUM_BINS] for a row that top-k or
+    top-p filters); the row's last program combines them in chunk order into stats [g] = (m, tau, S, argmax):
+    tau is -inf's key, or for a filtered row the lower bound of the filter pass's candidates. FUSED_FILTER: that
+    program then runs the filter pass over the whole row itself (no `_filter_kernel` launch)."""
+    g = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    b = g // rows_per_request
+    r = g % rows_per_request
+    temperature = tl.load(temperature_ptr + b * temperature_stride)
+    is_random = temperature > 0
+    t = tl.where(is_random, temperature, 1.0)
+    top_k = tl.load(top_k_ptr + b * top_k_stride).to(tl.int64)
+    top_p = tl.load(top_p_ptr + b * top_p_stride)
+    k_on = (top_k > 0) & (top_k < vocab)
+    filtered = is_random & (k_on | (top_p < 1.0))
+    start = c * chunk_len
+    end = tl.minimum(start + chunk_len, vocab)
+    slot = g * num_chunks + c
+    if r <= k:
+        top, total, argmax, top_bin = _chunk_stats_tl(
+            target_ptr + b * t_stride_b + r * t_stride_i, start, end, vocab, t, hist_ptr + slot * NUM_BINS,
+            filtered, BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE)
+    else:
+        top, total, argmax, top_bin = _chunk_stats_tl(
+            draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, start, end, vocab, t,
+            hist_ptr + slot * NUM_BINS, filtered, BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE)
+    which = tl.arange(0, 4)
+    partial = tl.where(which == 0, top.to(tl.int32, bitcast=True),
+                       tl.where(which == 1, total.to(tl.int32, bitcast=True),
+                                tl.where(which == 2, argmax, top_bin.to(tl.int32, bitcast=True))))
+    tl.store(partial_ptr + slot * 4 + which, partial)
+    tl.debug_barrier()  # every thread's partial and histogram are stored before the ticket publishes them
+    if take_ticket_tl(ticket_ptr + g) == num_chunks - 1:
+        reset_ticket_tl(ticket_ptr + g)
+        chunk = tl.arange(0, BLOCK_C)
+        in_row = chunk < num_chunks
+        base = partial_ptr + (g * num_chunks + chunk) * 4
+        tops = tl.load(base, mask=in_row, other=-8388608, cache_modifier=".cg").to(tl.float32, bitcast=True)
+        totals = tl.load(base + 1, mask=in_row, other=0, cache_modifier=".cg").to(tl.float32, bitcast=True)
+        argmaxes = tl.load(base + 2, mask=in_row, other=0, cache_modifier=".cg")
+        top = tl.max(tops, axis=0)
+        argmax = tl.minimum(tl.min(tl.where(in_row & (tops == top), argmaxes, vocab), axis=0), vocab - 1)
+        scale = 1.4426950408889634 / t
+        mass = tl.sum(tl.where(tops > float("-inf"), totals * tl.exp2((tops - top) * scale), 0.0), axis=0)
+        m = top / t  # max(x / t) = max(x) / t: the division rounds monotonically
+        tau = tl.full([], -2139095041, tl.int32)  # the order key of -inf: every non-NaN entry is at or above
+        if filtered:
+            # The chunks' histograms, aligned on the row's top bin: counts of x >= (top bin - d) / BIN_SCALE
+            # (lower bounds where a chunk's bins stop short). The candidates' bound is the shallowest depth
+            # whose count reaches top_k (top-k on), or whose mass (bounded below) reaches top_p of the row's.
+            bins = tl.load(base + 3, mask=in_row, other=-8388608, cache_modifier=".cg").to(tl.float32, bitcast=True)
+            row_bin = tl.max(tl.where(bins == bins, bins, float("-inf")), axis=0)
+            depth = tl.arange(0, NUM_BINS)
+            source = depth[None, :] - (row_bin - bins)[:, None]
+            aligned = in_row[:, None] & (source >= 0) & (source < NUM_BINS - 1) & (depth[None, :] < NUM_BINS - 1)
+            counts = tl.sum(tl.load(hist_ptr + (g * num_chunks + chunk)[:, None] * NUM_BINS
+                                    + tl.where(aligned, source, 0).to(tl.int64), mask=aligned, other=0,
+                                    cache_modifier=".cg"), axis=0)
+            if k_on:
+                reached = tl.cumsum(counts, axis=0) >= top_k
+            else:
+                # An entry at depth d has e > exp(-(d + 1) / (BIN_SCALE * t)).
+                floor_e = tl.exp2(-(depth + 1).to(tl.float32) * (scale / BIN_SCALE))
+                reached = tl.cumsum(counts.to(tl.float32) * floor_e, axis=0) >= top_p * mass
+            shallowest = tl.min(tl.where(reached, depth, NUM_BINS), axis=0)
+            bound_x = (row_bin - shallowest.to(tl.float32)) / BIN_SCALE
+            ok = (shallowest < NUM_BINS) & (row_bin > float("-inf")) & (row_bin < float("inf"))
+            tau = tl.where(ok, _order_key_tl(bound_x / t), tau)
+        _store_stats_tl(stats_ptr + g * 4, m, tau, mass, argmax)
+        if FUSED_FILTER:
+            tl.debug_barrier()  # the statistics are stored before the filter pass reads them
+            min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
+            _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, 0, 1, 0, vocab, temperature, top_k, top_p, min_e,
+                           stats_ptr, candidates_ptr, kept_mass_ptr, workspace_ptr, k, vocab, t_stride_b,
+                           t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP,
+                           BLOCK_C)
+
+@triton.jit
+def _gather_chunk_tl(row_ptr, start, end, t, lo, candidates_ptr, slot_ptr, CAP: tl.constexpr,
+                     BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Appends the z of the chunk's entries with key >= lo to the row's candidates (at most CAP are stored; the
+    row's slot counter counts them all)."""
+    for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
+        v = v0 + tl.arange(0, BLOCK_V)
+        in_chunk = v < end
+        z = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf")).to(tl.float32) / t
+        candidate = in_chunk & (_order_key_tl(z) >= lo)
+        n = tl.sum(candidate.to(tl.int32), axis=0)
+        if n > 0:
+            first = tl.atomic_add(slot_ptr, n.to(tl.int64), sem="relaxed").to(tl.int32)
+            position = first + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
+            tl.store(candidates_ptr + position, z, mask=candidate & (position < CAP))
+
+@triton.jit
+def _chunk_kept_mass_tl(row_ptr, start, end, t, m, min_e, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Sum of e = exp(z - m) >= min_e over the chunk (min-p alone)."""
+    lane = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
+        v = v0 + tl.arange(0, BLOCK_V)
+        in_chunk = v < end
+        z = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf")).to(tl.float32) / t
+        e = tl.exp(z - m)
+        lane += tl.where(in_chunk & (e >= min_e), e, 0.0)
+    return tl.sum(lane, axis=0)
+
+@triton.jit
+def _search_fallback_tl(row_ptr, vocab, t, m, mass_all, k_on, top_k, p_on, top_p, min_e,
+                        BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr):
+    """(tau key int32, S) of a row whose kept set the candidates do not hold: the threshold searches run to the
+    exact key (no sort, so this rare path stays small code), then one pass sums the kept mass."""
+    lo = tl.full([], -2139095041, tl.int64)  # the order key of -inf
+    key_m = _order_key_tl(m).to(tl.int64)
+    lo_mass = mass_all
+    lo_count = tl.zeros([], tl.int32) + vocab
+    if k_on:
+        lo, lo_mass, lo_count = _search_tl(row_ptr, vocab, t, m, lo, key_m, lo_mass, lo_count, top_k.to(tl.int32),
+                                           0.0, False, SEARCH_BLOCK, NUM_PROBES, 0)
+    if p_on:
+        lo, _, _ = _search_tl(row_ptr, vocab, t, m, lo, key_m, lo_mass, lo_count, 0, top_p * lo_mass, True,
+                              SEARCH_BLOCK, NUM_PROBES, 0)
+    tau32 = lo.to(tl.int32)
+    kept_mass = tl.zeros([BLOCK_V], tl.float32)
+    for v0 in range(0, vocab, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V)
+        in_row = v < vocab
+        z = tl.load(row_ptr + v, mask=in_row, other=float("-inf")).to(tl.float32) / t
+        e = tl.exp(z - m)
+        kept_mass += tl.where(in_row & (_order_key_tl(z) >= tau32) & (e >= min_e), e, 0.0)
+    return tau32, tl.sum(kept_mass, axis=0)
+
+@triton.jit
+def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, c, num_chunks, start, end, temperature, top_k, top_p,
+                   min_e, stats_ptr, candidates_ptr, partial_ptr, workspace_ptr, k, vocab, t_stride_b, t_stride_i,
+                   d_stride_b, d_stride_i, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Chunk [start, end) of row g's filter pass (one of num_chunks programs; see `_filter_kernel`)."""
+    k_on = (top_k > 0) & (top_k < vocab)
+    p_on = top_p < 1.0
+    searched = k_on | p_on
+    if (temperature > 0) & (searched | (min_e > 0)):
+        t = temperature
+        m = tl.load(stats_ptr + g * 4).to(tl.float32, bitcast=True)
+        lo = tl.load(stats_ptr + g * 4 + 1)
+        candidates = candidates_ptr + g * CAP
+        slot_ptr = workspace_ptr + 2 * g
+        kept_mass = tl.zeros([], tl.float32)
+        if r <= k:
+            row_ptr = target_ptr + b * t_stride_b + r * t_stride_i
+            if searched:
+                _gather_chunk_tl(row_ptr, start, end, t, lo, candidates, slot_ptr, CAP, BLOCK_V, NUM_STAGES)
+            else:
+                kept_mass = _chunk_kept_mass_tl(row_ptr, start, end, t, m, min_e, BLOCK_V, NUM_STAGES)
+        else:
+            row_ptr = draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i
+            if searched:
+                _gather_chunk_tl(row_ptr, start, end, t, lo, candidates, slot_ptr, CAP, BLOCK_V, NUM_STAGES)
+            else:
+                kept_mass = _chunk_kept_mass_tl(row_ptr, start, end, t, m, min_e, BLOCK_V, NUM_STAGES)
+        tl.store(partial_ptr + g * num_chunks + c, kept_mass)
+        tl.debug_barrier()  # every thread's candidates and mass are stored before the ticket publishes them
+        if take_ticket_tl(workspace_ptr + 2 * g + 1) == num_chunks - 1:
+            reset_ticket_tl(workspace_ptr + 2 * g + 1)
+            count = tl.atomic_xchg(slot_ptr, 0, sem="relaxed").to(tl.int32)
+            mass_all = tl.load(stats_ptr + g * 4 + 2).to(tl.float32, bitcast=True)
+            if searched:
+                tau, mass, enough = _finish_sorted_tl(candidates, tl.minimum(count, CAP), m, k_on, top_k,
+                                                      mass_all, p_on, top_p, min_e, CAP)
+                if (count > CAP) | (~enough):
+                    if r <= k:
+                        tau, mass = _search_fallback_tl(target_ptr + b * t_stride_b + r * t_stride_i, vocab, t, m,
+                                                        mass_all, k_on, top_k, p_on, top_p, min_e, BLOCK_V,
+                                                        SEARCH_BLOCK, NUM_PROBES)
+                    else:
+                        tau, mass = _search_fallback_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i,
+                                                        vocab, t, m, mass_all, k_on, top_k, p_on, top_p, min_e,
+                                                        BLOCK_V, SEARCH_BLOCK, NUM_PROBES)
+            else:
+                chunk = tl.arange(0, BLOCK_C)
+                tau = lo
+                mass = tl.sum(tl.load(partial_ptr + g * num_chunks + chunk, mask=chunk < num_chunks, other=0.0,
+                                      cache_modifier=".cg"), axis=0)
+            which = tl.arange(0, 2)
+            tl.store(stats_ptr + g * 4 + 1 + which, tl.where(which == 0, tau, mass.to(tl.int32, bitcast=True)))
+
+
+@triton.jit
+def _filter_kernel(
+    target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, candidates_ptr,
+    partial_ptr, workspace_ptr, k, vocab, chunk_len, rows_per_request, t_stride_b, t_stride_i, d_stride_b,
+    d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
+    HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+    NUM_PROBES: tl.constexpr, CAP: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """The thresholds of the filtered rows (rows no filter touches return at once). Every chunk appends its
+    entries at or above the statistics pass's bound to the row's candidates [g, CAP] (with top-k or top-p on), or
+    its kept mass to partial [g, c] (min-p alone); the row's last program sorts the candidates and writes the
+    exact tau and S into stats [g]. A row with more than CAP candidates, or whose candidates do not hold the
+    kept set, takes the full threshold search in that program."""
+    g = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    b = g // rows_per_request
+    r = g % rows_per_request
     temperature = tl.load(temperature_ptr + b * temperature_stride)
     top_k = tl.load(top_k_ptr + b * top_k_stride).to(tl.int64)
     top_p = tl.load(top_p_ptr + b * top_p_stride)
     min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
-    num_rows = tl.num_programs(1)
-    out = stats_ptr + (b * num_rows + r) * 4
-    scratch = scratch_ptr + (b * num_rows + r) * CAP
-    if r <= k:
-        m, tau, mass, argmax = _row_stats_tl(target_ptr + b * t_stride_b + r.to(tl.int64) * t_stride_i, scratch,
-                                             vocab, temperature, top_k, top_p, min_e, BLOCK_V, SEARCH_BLOCK,
-                                             NUM_PROBES, CAP)
-        _store_stats_tl(out, m, tau, mass, argmax)
-    if HAS_DRAFT_LOGITS:
-        if r > k:
-            row = (r - k - 1).to(tl.int64)
-            m, tau, mass, argmax = _row_stats_tl(draft_logits_ptr + b * d_stride_b + row * d_stride_i, scratch,
-                                                 vocab, temperature, top_k, top_p, min_e, BLOCK_V, SEARCH_BLOCK,
-                                                 NUM_PROBES, CAP)
-            _store_stats_tl(out, m, tau, mass, argmax)
+    start = c * chunk_len
+    _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, c, num_chunks, start, tl.minimum(start + chunk_len, vocab),
+                   temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, partial_ptr, workspace_ptr, k, vocab,
+                   t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP,
+                   BLOCK_C)
 
 @triton.jit
 def _prob_tl(x, t, m, tau, mass, min_e):
@@ -490,60 +643,272 @@ def _verify_kernel(
         add_counters_tl(counters_ptr, num_accepted, (j + 1).to(tl.int64), k)
 
 @triton.jit
-def _draft_kernel(
-    logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr, out_ptr, probs_ptr,
-    scratch_ptr, vocab, logits_stride, temperature_stride, top_k_stride, top_p_stride, min_p_stride, seed_stride,
-    position_stride, probs_stride,
-    WITH_PROBS: tl.constexpr, BLOCK_V: tl.constexpr, SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr,
-    CAP: tl.constexpr, FAST_LOG: tl.constexpr,
+def _race_verify_kernel(
+    target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr, stats_ptr,
+    out_ptr, logprobs_ptr, counters_ptr, workspace_ptr,
+    k, vocab, num_rows, chunk_len,
+    t_stride_b, t_stride_i, draft_stride_b, q_stride_b, q_stride_i,
+    temperature_stride, min_p_stride, seed_stride, offset_stride,
+    HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr, WITH_LOGPROBS: tl.constexpr,
+    COUNT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
+    FAST_LOG: tl.constexpr,
 ):
+    """Token-wise verification of request b, chunk c: every program evaluates the k accept tests (from the row
+    statistics and one logit each) and races its chunk of the rejected/bonus row j; the winners meet in the
+    request's packed atomic maximum (key bits, V-1-token) and the last program (ticket) writes the output row,
+    the logprobs and the counters."""
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
+    temperature = tl.load(temperature_ptr + b * temperature_stride)
+    greedy = ~(temperature > 0)
+    t = tl.where(greedy, 1.0, temperature)
+    min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
+    seed = tl.load(seed_ptr + b * seed_stride)
+    offset = tl.load(offset_ptr + b * offset_stride)
+    i = tl.arange(0, BLOCK_K)
+    i64 = i.to(tl.int64)
+    in_k = i < k
+    in_rows = i <= k
+    stats = stats_ptr + b * num_rows * 4
+    m = tl.load(stats + i * 4, mask=in_rows, other=0).to(tl.float32, bitcast=True)
+    tau = tl.load(stats + i * 4 + 1, mask=in_rows, other=0)
+    mass = tl.load(stats + i * 4 + 2, mask=in_rows, other=0x3F800000).to(tl.float32, bitcast=True)  # 1.0
+    argmax = tl.load(stats + i * 4 + 3, mask=in_rows, other=0)
+    draft = tl.load(draft_ptr + b * draft_stride_b + i, mask=in_k, other=-1).to(tl.int64)
+    valid = in_k & (draft >= 0) & (draft < vocab)
+    safe = tl.where(valid, draft, 0)
+    t_row = target_ptr + b * t_stride_b
+    q_row = q_ptr + b * q_stride_b
+    x_at = tl.load(t_row + i64 * t_stride_i + safe, mask=valid, other=0.0).to(tl.float32)
+    p_x = tl.where(valid, _prob_tl(x_at, t, m, tau, mass, min_e), 0.0)
+    if HAS_DRAFT_LOGITS:
+        qm = tl.load(stats + (k + 1 + i) * 4, mask=in_k, other=0).to(tl.float32, bitcast=True)
+        qtau = tl.load(stats + (k + 1 + i) * 4 + 1, mask=in_k, other=0)
+        qmass = tl.load(stats + (k + 1 + i) * 4 + 2, mask=in_k, other=0x3F800000).to(tl.float32, bitcast=True)
+    else:
+        qm = m
+        qtau = tau
+        qmass = mass
+    q_x = _q_block_tl(q_row + i64 * q_stride_i, safe, valid, safe, t, qm, qtau, qmass, min_e,
+                      HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS)
+    u = (_draw_bits_tl(_row_state_tl(seed, offset + i, i * 0 + 2), i * 0) >> 8).to(tl.float32) \
+        * 5.960464477539063e-08  # ACCEPT stream
+    matches = valid & (draft == argmax.to(tl.int64))
+    accepted = tl.where(greedy, matches, valid & (u * q_x < p_x))
+    j = tl.min(tl.where(in_k & ~accepted, i, k), axis=0)
+
+    jm = _pick_tl(m, i, j)
+    jtau = _pick_tl(tau, i, j)
+    jmass = _pick_tl(mass, i, j)
+    if HAS_DRAFT_LOGITS:
+        jqm = _pick_tl(qm, i, j)
+        jqtau = _pick_tl(qtau, i, j)
+        jqmass = _pick_tl(qmass, i, j)
+    else:
+        jqm = jm
+        jqtau = jtau
+        jqmass = jmass
+    draft_j = tl.max(tl.where((i == j) & valid, draft, -1), axis=0).to(tl.int32)
+    state = _row_state_tl(seed, offset + j, tl.where(j < k, 3, 4))  # RESIDUAL or BONUS
+    p_race = t_row + j.to(tl.int64) * t_stride_i
+    q_race = q_row + j.to(tl.int64) * q_stride_i
+    if ~greedy:
+        # Race at row j (residual, or the bonus at k with q = 0) over max(p - q, 0), this program's chunk.
+        best_total, best_exp, best_segment, best_weights = _segment_race_start_tl(BLOCK_V)
+        start = c * chunk_len
+        end = tl.minimum(start + chunk_len, vocab)
+        for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
+            segment, v = _segment_block_tl(tl.multiple_of(v0, BLOCK_V), BLOCK_V)  # chunks start at multiples
+            in_chunk = v < end
+            x = tl.load(p_race + v, mask=in_chunk, other=float("-inf")).to(tl.float32)
+            p = tl.where(in_chunk, _prob_tl(x, t, jm, jtau, jmass, min_e), 0.0)
+            q = _q_block_tl(q_race, v, in_chunk & (v * 0 + j < k), draft_j, t, jqm, jqtau, jqmass, min_e,
+                            HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS)
+            best_total, best_exp, best_segment, best_weights = _segment_race_tl(
+                tl.maximum(p - q, 0.0), segment, state, best_total, best_exp, best_segment, best_weights,
+                FAST_LOG)
+        best_key = best_total / best_exp
+        best_token = tl.where(best_key > 0, _segment_pick_tl(best_weights, best_segment, state), vocab)
+        # int64 max = larger key, then lower token; a lane without a positive key packs to -1, below the
+        # slot's starting 0 (so a high word <= 0 after the maximum means no positive key anywhere).
+        packed = tl.max((best_key.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+                        | (vocab - 1 - best_token).to(tl.int64), axis=0)
+        tl.atomic_max(workspace_ptr + 2 * b, packed, sem="relaxed")
+    if take_ticket_tl(workspace_ptr + 2 * b + 1) == num_chunks - 1:
+        packed = tl.atomic_xchg(workspace_ptr + 2 * b, 0, sem="relaxed")
+        reset_ticket_tl(workspace_ptr + 2 * b + 1)
+        token = _pick_tl(argmax, i, j).to(tl.int64)
+        if ~greedy:
+            token = vocab - 1 - (packed & 0xFFFFFFFF)
+            if (packed >> 32) <= 0:
+                # No positive residual key: draw from p_j itself, same random numbers (the whole row).
+                fb_total, fb_exp, fb_segment, fb_weights = _segment_race_start_tl(BLOCK_V)
+                for v0 in range(0, vocab, BLOCK_V):
+                    segment, v = _segment_block_tl(tl.multiple_of(v0, BLOCK_V), BLOCK_V)
+                    in_row = v < vocab
+                    x = tl.load(p_race + v, mask=in_row, other=float("-inf")).to(tl.float32)
+                    p = tl.where(in_row, _prob_tl(x, t, jm, jtau, jmass, min_e), 0.0)
+                    fb_total, fb_exp, fb_segment, fb_weights = _segment_race_tl(
+                        p, segment, state, fb_total, fb_exp, fb_segment, fb_weights, FAST_LOG)
+                fb_key = fb_total / fb_exp
+                fb_top = tl.max(fb_key, axis=0)
+                fb_token = _segment_pick_tl(fb_weights, fb_segment, state)
+                token = tl.where(fb_top > 0, tl.min(tl.where(fb_key == fb_top, fb_token, vocab), axis=0), 0)
+                token = token.to(tl.int64)
+            token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # non-finite rows: stay in [0, V)
+        out = tl.where(i < j, draft, -1)
+        out = tl.where(i == j, token, out)
+        tl.store(out_ptr + b * (k + 1) + i, out.to(out_ptr.dtype.element_ty), mask=in_rows)
+        if WITH_LOGPROBS:
+            emitted = in_rows & (out != -1)
+            safe_out = tl.minimum(tl.maximum(tl.where(emitted, out, 0), 0), vocab - 1)  # never read out of bounds
+            x_out = tl.load(t_row + i64 * t_stride_i + safe_out, mask=emitted, other=0.0).to(tl.float32)
+            z_out = x_out / t
+            kept = (_order_key_tl(z_out) >= tau) & (tl.exp(z_out - m) >= min_e)
+            logprob = tl.where(kept, (z_out - m) - tl.log(mass), float("-inf"))
+            logprob = tl.where(greedy, 0.0, logprob)
+            tl.store(logprobs_ptr + b * (k + 1) + i, tl.where(emitted, logprob, 0.0), mask=in_rows)
+        if COUNT:
+            add_counters_tl(counters_ptr, tl.sum(accepted.to(tl.int64), axis=0), (j + 1).to(tl.int64), k)
+
+@triton.jit
+def _draft_race_kernel(
+    logits_ptr, temperature_ptr, min_p_ptr, seed_ptr, position_ptr, stats_ptr, out_ptr, probs_ptr, workspace_ptr,
+    vocab, chunk_len, logits_stride, temperature_stride, min_p_stride, seed_stride, position_stride, probs_stride,
+    WITH_PROBS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, FAST_LOG: tl.constexpr,
+):
+    """sample_draft_filtered, row r, chunk c: the Gumbel race over the chunk's kept entries (and its processed
+    probabilities); the winners meet in the row's atomic maximum of (key's order + 2^31, V-1-index), and the last
+    program (ticket) stores the token."""
     r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    num_chunks = tl.num_programs(1)
     temperature = tl.load(temperature_ptr + r * temperature_stride)
     greedy = ~(temperature > 0)
     t = tl.where(greedy, 1.0, temperature)
-    top_k = tl.load(top_k_ptr + r * top_k_stride).to(tl.int64)
-    top_p = tl.load(top_p_ptr + r * top_p_stride)
     min_e = _min_e_tl(tl.load(min_p_ptr + r * min_p_stride))
+    m = tl.load(stats_ptr + r * 4).to(tl.float32, bitcast=True)
+    tau = tl.load(stats_ptr + r * 4 + 1)
+    mass = tl.load(stats_ptr + r * 4 + 2).to(tl.float32, bitcast=True)
+    argmax = tl.load(stats_ptr + r * 4 + 3)
     row = logits_ptr + r * logits_stride
-    m, tau, mass, argmax = _row_stats_tl(row, scratch_ptr + r * CAP, vocab, temperature, top_k, top_p, min_e,
-                                         BLOCK_V, SEARCH_BLOCK, NUM_PROBES, CAP)
-    state = _row_state_tl(tl.load(seed_ptr + r * seed_stride), tl.load(position_ptr + r * position_stride),
-                          tl.zeros([], tl.int32) + 1)  # purpose DRAFT
-    token = argmax.to(tl.int64)
     probs_row = probs_ptr + r * probs_stride
+    start = c * chunk_len
+    end = tl.minimum(start + chunk_len, vocab)
     if ~greedy:
-        best_key = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        best_idx = tl.full([BLOCK_V], 0, tl.int32) + vocab
-        for v0 in range(0, vocab, BLOCK_V):
+        state = _row_state_tl(tl.load(seed_ptr + r * seed_stride), tl.load(position_ptr + r * position_stride),
+                              tl.zeros([], tl.int32) + 1)  # purpose DRAFT
+        best = tl.zeros([BLOCK_V], tl.int64)
+        for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
             v = v0 + tl.arange(0, BLOCK_V)
-            in_row = v < vocab
-            z = tl.load(row + v, mask=in_row, other=float("-inf")).to(tl.float32) / t
+            in_chunk = v < end
+            z = tl.load(row + v, mask=in_chunk, other=float("-inf")).to(tl.float32) / t
             e = tl.exp(z - m)
-            kept = in_row & (_order_key_tl(z) >= tau) & (e >= min_e)
+            kept = in_chunk & (_order_key_tl(z) >= tau) & (e >= min_e)
             key = z - _log_tl(_exponential_tl(_draw_bits_tl(state, v), FAST_LOG), FAST_LOG)
-            better = kept & ((key > best_key) | (best_idx == vocab))
-            best_key = tl.where(better, key, best_key)
-            best_idx = tl.where(better, v, best_idx)
+            # Non-negative and ordered as (key, then lower index); 0 (no kept entry) is below every packing.
+            packed = (((_order_key_tl(key).to(tl.int64) + 2147483648) << 31)
+                      | (vocab - 1 - v).to(tl.int64))
+            best = tl.maximum(best, tl.where(kept, packed, 0))
             if WITH_PROBS:
-                tl.store(probs_row + v, tl.where(kept, e / mass, 0.0), mask=in_row)
-        top = tl.max(best_key, axis=0)
-        token = tl.min(tl.where((best_key == top) & (best_idx < vocab), best_idx, vocab), axis=0).to(tl.int64)
-        token = tl.where(token < vocab, token, 0)
+                tl.store(probs_row + v, tl.where(kept, e / mass, 0.0), mask=in_chunk)
+        tl.atomic_max(workspace_ptr + 2 * r, tl.max(best, axis=0), sem="relaxed")
     else:
         if WITH_PROBS:
-            for v0 in range(0, vocab, BLOCK_V):
+            for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
                 v = v0 + tl.arange(0, BLOCK_V)
-                tl.store(probs_row + v, tl.where(v == token, 1.0, 0.0), mask=v < vocab)
-    tl.store(out_ptr + r, token)
+                tl.store(probs_row + v, tl.where(v == argmax, 1.0, 0.0), mask=v < end)
+    if take_ticket_tl(workspace_ptr + 2 * r + 1) == num_chunks - 1:
+        packed = tl.atomic_xchg(workspace_ptr + 2 * r, 0, sem="relaxed")
+        reset_ticket_tl(workspace_ptr + 2 * r + 1)
+        token = argmax.to(tl.int64)
+        if ~greedy:
+            token = tl.where(packed > 0, vocab - 1 - (packed & 0x7FFFFFFF), 0)
+            token = tl.minimum(tl.maximum(token, 0), vocab - 1)
+        tl.store(out_ptr + r, token)
+
+
+def _plan(rows, vocab, device, block_v=None, num_chunks=None):
+    """(BLOCK_V, chunk_len, num_chunks) of a race pass over `rows` logit rows: chunks of at most max_chunk entries,
+    and more when the rows are too few to give every SM programs_per_sm programs (a chunk is at least one block).
+    A race's winner is an exact maximum, so its result does not depend on the chunking."""
+    geometry = LOGITS_SAMPLING
+    block_v = block_v or min(geometry["block_v"], max(16, triton.next_power_of_2(vocab)))
+    if num_chunks is None:
+        sms = sm_count(device) if device.type == "cuda" else geometry["interpreter_sms"]
+        wanted = max(triton.cdiv(geometry["programs_per_sm"] * sms, rows),
+                     triton.cdiv(vocab, geometry["max_chunk"]))
+        num_chunks = max(1, min(wanted, triton.cdiv(vocab, block_v)))
+    chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), block_v) * block_v
+    return block_v, chunk_len, triton.cdiv(vocab, chunk_len)
+
+
+def _statistics_plan(vocab, device, block_v=None, num_chunks=None):
+    """(BLOCK_V, chunk_len, num_chunks) of the statistics and filter passes: chunks of a fixed length, from V and the
+    device alone. A row's S and its filter path come from its chunks' partials, combined in chunk order, so a
+    chunking that followed the batch size would make a row's results depend on the batch it is in."""
+    geometry = LOGITS_SAMPLING
+    block_v = block_v or min(geometry["block_v"], max(16, triton.next_power_of_2(vocab)))
+    if num_chunks is None:
+        length = geometry["stats_chunk"] if device.type == "cuda" else geometry["interpreter_stats_chunk"]
+        num_chunks = triton.cdiv(vocab, max(length, block_v))
+    chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), block_v) * block_v
+    return block_v, chunk_len, triton.cdiv(vocab, chunk_len)
 
 
 def _gather_cap(device, gather_cap):
     # The interpreter's sort is slow; its small cap also makes the CPU tests run both the gather and the full search.
-    return gather_cap or (_GATHER_CAP if device.type == "cuda" else 32)
+    return gather_cap or (LOGITS_SAMPLING["cap"] if device.type == "cuda" else 32)
+
+
+def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_k, top_p, min_p, block_v,
+                    num_chunks, gather_cap, fused_filter=None):
+    """stats int32 [rows, 4] = (m, tau, S, argmax) of every logit row: target [B, R, V] rows r <= k, then the draft
+    logits [B, k, V] (or None) as rows k+1 .. 2k. The statistics pass, then the filter pass (a launch of its own, or
+    with fused_filter, default LOGITS_SAMPLING["fused_filter"], run by each row's last statistics program)."""
+    geometry = LOGITS_SAMPLING
+    batch, _, vocab = target.shape
+    device = target.device
+    rows = batch * rows_per_request
+    block_v, chunk_len, num_chunks = _statistics_plan(vocab, device, block_v, num_chunks)
+    cap = _gather_cap(device, gather_cap)
+    has_logits = draft_logits is not None
+    draft = draft_logits if has_logits else target
+    strides = (target.stride(0), target.stride(1), draft.stride(0), draft.stride(1) if has_logits else 0)
+    stats = torch.empty((rows, 4), dtype=torch.int32, device=device)
+    partial = torch.empty((rows, num_chunks, 4), dtype=torch.int32, device=device)
+    hist = torch.empty((rows, num_chunks, geometry["hist_bins"]), dtype=torch.int32, device=device)
+    candidates = torch.empty((rows, cap), dtype=torch.float32, device=device)
+    kept_mass = torch.empty((rows, num_chunks), dtype=torch.float32, device=device)
+    # Per row: the candidates' slot counter and the filter pass's ticket, then the statistics pass's tickets; zero
+    # between calls.
+    workspace = zeroed_scratch(device, 3 * rows)
+    block_c = triton.next_power_of_2(num_chunks)
+    fused = bool(geometry["fused_filter"]) if fused_filter is None else fused_filter
+    params = (temperature, top_k, top_p, min_p)
+    param_strides = (temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0))
+    search = dict(SEARCH_BLOCK=min(geometry["search_block"], block_v), NUM_PROBES=geometry["num_probes"], CAP=cap)
+    _stats_kernel[(rows, num_chunks)](
+        target, draft, *params, stats, partial, hist, workspace[2 * rows:], candidates, kept_mass, workspace,
+        k, vocab, chunk_len, rows_per_request, *strides, *param_strides,
+        HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"],
+        NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"], BLOCK_C=block_c, FUSED_FILTER=fused,
+        **search, num_warps=geometry["num_warps"],
+    )
+    if not fused:
+        _filter_kernel[(rows, num_chunks)](
+            target, draft, *params, stats, candidates, kept_mass, workspace,
+            k, vocab, chunk_len, rows_per_request, *strides, *param_strides,
+            HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"], BLOCK_C=block_c,
+            **search, num_warps=geometry["num_warps"],
+        )
+    return stats
 
 
 def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits, temperature, top_k, top_p, min_p,
-                      seeds, offsets, block_verification, counters, with_logprobs, block_v=None, gather_cap=None):
+                      seeds, offsets, block_verification, counters, with_logprobs, block_v=None, gather_cap=None,
+                      num_chunks=None, fused_filter=None):
     batch, k = draft_token_ids.shape
     vocab = target_logits.shape[2]
     device = target_logits.device
@@ -551,34 +916,38 @@ def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits,
     logprobs = torch.empty((batch, k + 1), dtype=torch.float32, device=device) if with_logprobs else None
     if batch == 0:
         return out, logprobs
-    block_v = block_v or min(_BLOCK_V, max(16, triton.next_power_of_2(vocab)))
-    search_block = min(_SEARCH_BLOCK, block_v)
+    geometry = LOGITS_SAMPLING
     has_logits = draft_logits is not None
     has_probs = draft_probs is not None
     num_rows = k + 1 + (k if has_logits else 0)
-    stats = torch.empty((batch, num_rows, 4), dtype=torch.int32, device=device)
-    cap = _gather_cap(device, gather_cap)
-    scratch = torch.empty((batch * num_rows, cap), dtype=torch.float32, device=device)
-    _row_stats_kernel[(batch, num_rows)](
-        target_logits, draft_logits if has_logits else target_logits, temperature, top_k, top_p, min_p, stats,
-        scratch,
-        k, vocab, target_logits.stride(0), target_logits.stride(1),
-        draft_logits.stride(0) if has_logits else 0, draft_logits.stride(1) if has_logits else 0,
-        temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0),
-        HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, SEARCH_BLOCK=search_block, NUM_PROBES=_NUM_PROBES,
-        CAP=cap, num_warps=_NUM_WARPS,
-    )
+    stats = _row_statistics(target_logits, draft_logits, k, num_rows, temperature, top_k, top_p, min_p, block_v,
+                            num_chunks, gather_cap, fused_filter)
     q = draft_probs if has_probs else (draft_logits if has_logits else target_logits)
-    _verify_kernel[(batch,)](
+    q_strides = (q.stride(0), q.stride(1)) if (has_probs or has_logits) else (0, 0)
+    common = (k, vocab, num_rows)
+    if block_verification:
+        race_block_v = block_v or min(geometry["block_v"], max(16, triton.next_power_of_2(vocab)))
+        _verify_kernel[(batch,)](
+            target_logits, draft_token_ids, q, temperature, min_p, seeds, offsets, stats,
+            out, logprobs if with_logprobs else stats, counters if counters is not None else out, *common,
+            target_logits.stride(0), target_logits.stride(1), draft_token_ids.stride(0), *q_strides,
+            temperature.stride(0), min_p.stride(0), seeds.stride(0), offsets.stride(0),
+            HAS_DRAFT_PROBS=has_probs, HAS_DRAFT_LOGITS=has_logits, BLOCK=True,
+            WITH_LOGPROBS=with_logprobs, COUNT=counters is not None, BLOCK_K=triton.next_power_of_2(k + 1),
+            BLOCK_V=race_block_v, FAST_LOG=out.is_cuda, num_warps=geometry["num_warps"],
+        )
+        return out, logprobs
+    race_block_v, chunk_len, race_chunks = _plan(batch, vocab, device, block_v, num_chunks)
+    workspace = zeroed_scratch(device, 2 * batch)  # per request: the packed race maximum and a ticket
+    _race_verify_kernel[(batch, race_chunks)](
         target_logits, draft_token_ids, q, temperature, min_p, seeds, offsets, stats,
-        out, logprobs if with_logprobs else stats, counters if counters is not None else out,
-        k, vocab, num_rows,
-        target_logits.stride(0), target_logits.stride(1), draft_token_ids.stride(0),
-        q.stride(0) if (has_probs or has_logits) else 0, q.stride(1) if (has_probs or has_logits) else 0,
+        out, logprobs if with_logprobs else stats, counters if counters is not None else out, workspace,
+        *common, chunk_len,
+        target_logits.stride(0), target_logits.stride(1), draft_token_ids.stride(0), *q_strides,
         temperature.stride(0), min_p.stride(0), seeds.stride(0), offsets.stride(0),
-        HAS_DRAFT_PROBS=has_probs, HAS_DRAFT_LOGITS=has_logits, BLOCK=bool(block_verification),
-        WITH_LOGPROBS=with_logprobs, COUNT=counters is not None, BLOCK_K=triton.next_power_of_2(k + 1),
-        BLOCK_V=block_v, FAST_LOG=out.is_cuda, num_warps=_NUM_WARPS,
+        HAS_DRAFT_PROBS=has_probs, HAS_DRAFT_LOGITS=has_logits, WITH_LOGPROBS=with_logprobs,
+        COUNT=counters is not None, BLOCK_K=triton.next_power_of_2(k + 1), BLOCK_V=race_block_v,
+        NUM_STAGES=geometry["num_stages"], FAST_LOG=out.is_cuda, num_warps=geometry["num_warps"],
     )
     return out, logprobs
 
@@ -615,21 +984,24 @@ def _rejection_logprobs_counted_triton(target_logits, draft_token_ids, draft_pro
                              min_p, seeds, offsets, block_verification, counters, True)
 
 
-def _launch_draft(logits, temperature, top_k, top_p, min_p, seeds, positions, probs, block_v=None, gather_cap=None):
+def _launch_draft(logits, temperature, top_k, top_p, min_p, seeds, positions, probs, block_v=None, gather_cap=None,
+                  num_chunks=None, fused_filter=None):
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    block_v = block_v or min(_BLOCK_V, max(16, triton.next_power_of_2(vocab)))
+    geometry = LOGITS_SAMPLING
     with_probs = probs is not None
-    cap = _gather_cap(logits.device, gather_cap)
-    scratch = torch.empty((rows, cap), dtype=torch.float32, device=logits.device)
-    _draft_kernel[(rows,)](
-        logits, temperature, top_k, top_p, min_p, seeds, positions, out, probs if with_probs else out, scratch,
-        vocab, logits.stride(0), temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0),
-        seeds.stride(0), positions.stride(0), probs.stride(0) if with_probs else 0,
-        WITH_PROBS=with_probs, BLOCK_V=block_v, SEARCH_BLOCK=min(_SEARCH_BLOCK, block_v), NUM_PROBES=_NUM_PROBES,
-        CAP=cap, FAST_LOG=out.is_cuda, num_warps=_NUM_WARPS,
+    stats = _row_statistics(logits[:, None], None, 0, 1, temperature, top_k, top_p, min_p, block_v, num_chunks,
+                            gather_cap, fused_filter)
+    block_v, chunk_len, num_chunks = _plan(rows, vocab, logits.device, block_v, num_chunks)
+    workspace = zeroed_scratch(logits.device, 2 * rows)  # per row: the packed race maximum and a ticket
+    _draft_race_kernel[(rows, num_chunks)](
+        logits, temperature, min_p, seeds, positions, stats, out, probs if with_probs else out, workspace,
+        vocab, chunk_len, logits.stride(0), temperature.stride(0), min_p.stride(0), seeds.stride(0),
+        positions.stride(0), probs.stride(0) if with_probs else 0,
+        WITH_PROBS=with_probs, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"], FAST_LOG=out.is_cuda,
+        num_warps=geometry["num_warps"],
     )
     return out
 
