@@ -1,8 +1,8 @@
 """The persistent zeroed scratch of the ticket kernels, and the SM count their launch plans read.
 
-rejection_sample, greedy_verify and typical_acceptance combine their programs' results (atomic maxima and the
-last-program tickets of kernels/ticket.py) through one int64 buffer per device that every kernel leaves zeroed, so
-a call (or a CUDA-graph replay) needs no memset launch.
+rejection_sample, greedy_verify, typical_acceptance, rejection_sample_logits and sample_draft_filtered combine their
+programs' results (atomic maxima, slot counters and the last-program tickets of kernels/ticket.py) through one int64
+buffer per device that every kernel leaves zeroed, so a call (or a CUDA-graph replay) needs no memset launch.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def zeroed_scratch(device: torch.device, numel: int) -> torch.Tensor:
     A kernel that combines its programs' results through it (atomic tickets and maxima) must set every entry it
     touched back to 0 before it finishes, so each call and each CUDA-graph replay starts from zeros without a
     memset. Calls are ordered by their stream: two streams running such kernels (rejection_sample, greedy_verify,
-    typical_acceptance) at the same time on one device would share the buffer, which is not supported.
+    typical_acceptance, the logits samplers) at the same time on one device would share the buffer, which is not supported.
     """
     scratch = _scratch.get(device)
     if scratch is not None and scratch.numel() >= numel:
