@@ -9,6 +9,22 @@ out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
+# Compile caches (inductor's and Triton's) can travel between device calls, which otherwise spend most of their time
+# compiling: GPU_CACHE names the directory of a previous call's compile_cache.tgz* files (copied into the carried
+# tree), and with SAVE_COMPILE_CACHE=1 this call's caches come back in $out as compile_cache.tgz, split into 15 MB
+# parts (they count against the device tool's 8 returned files, beside the logs). Every H200 call has the same
+# torch, triton and GPU, so the caches hit.
+cache=/tmp/specdec_compile_cache
+mkdir -p "$cache"
+if [[ -n ${GPU_CACHE:-} ]] && compgen -G "$GPU_CACHE/compile_cache.tgz*" >/dev/null; then
+  cat "$GPU_CACHE"/compile_cache.tgz* | tar xzf - -C "$cache" && echo "compile cache: restored from $GPU_CACHE"
+fi
+export TORCHINDUCTOR_CACHE_DIR=$cache/inductor TRITON_CACHE_DIR=$cache/triton
+save_cache() {
+  tar czf - -C "$cache" . | split -b 15m -d - "$out/compile_cache.tgz." && echo "compile cache: saved to $out"
+}
+[[ ${SAVE_COMPILE_CACHE:-0} == 1 ]] && trap save_cache EXIT
+
 python3 -c 'import torch, triton; print("torch", torch.__version__, "| triton", triton.__version__, "|", torch.cuda.get_device_name())'
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
 
