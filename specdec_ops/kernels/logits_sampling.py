@@ -472,17 +472,14 @@ def _pick_tl(vec, i, index):
     return tl.sum(tl.where(i == index, vec, 0), axis=0)
 
 @triton.jit
-def _verify_kernel(
-    target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr, stats_ptr,
-    out_ptr, logprobs_ptr, counters_ptr,
-    k, vocab, num_rows,
-    t_stride_b, t_stride_i, draft_stride_b, q_stride_b, q_stride_i,
-    temperature_stride, min_p_stride, seed_stride, offset_stride,
-    HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr,
-    WITH_LOGPROBS: tl.constexpr, COUNT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    FAST_LOG: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
+def _accept_tests_tl(b, target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr, stats_ptr,
+                     k, vocab, num_rows, t_stride_b, t_stride_i, draft_stride_b, q_stride_b, q_stride_i,
+                     temperature_stride, min_p_stride, seed_stride, offset_stride,
+                     HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """What both verifiers of request b read first: its sampling parameters and random stream, its rows'
+    statistics (target rows 0..k; the draft rows' when HAS_DRAFT_LOGITS, else the target's), its drafts, and per
+    position i < k the processed p(x_i), q(x_i), the ACCEPT uniform u_i and whether x_i is the target's argmax.
+    Vectors are [BLOCK_K] over the positions i; a draft id outside [0, V) is not valid and reads entry 0."""
     temperature = tl.load(temperature_ptr + b * temperature_stride)
     greedy = ~(temperature > 0)
     t = tl.where(greedy, 1.0, temperature)
@@ -518,6 +515,50 @@ def _verify_kernel(
     u = (_draw_bits_tl(_row_state_tl(seed, offset + i, i * 0 + 2), i * 0) >> 8).to(tl.float32) \
         * 5.960464477539063e-08  # ACCEPT stream
     matches = valid & (draft == argmax.to(tl.int64))
+    return (greedy, t, min_e, seed, offset, i, in_k, m, tau, mass, argmax, draft, valid, qm, qtau, qmass, p_x, q_x,
+            u, matches)
+
+@triton.jit
+def _store_round_tl(out_ptr, logprobs_ptr, counters_ptr, b, i, k, j, draft, token, num_accepted, t_row, t_stride_i,
+                    vocab, greedy, t, m, tau, mass, min_e, WITH_LOGPROBS: tl.constexpr, COUNT: tl.constexpr):
+    """Request b's output row (drafts before position j, `token` at j, -1 after), the logprobs of its emitted
+    tokens under the processed target rows (0 for a greedy request) and the counters. i, draft, m, tau, mass:
+    [BLOCK_K] over the positions; t_row: the request's target logits."""
+    in_rows = i <= k
+    out = tl.where(i < j, draft, -1)
+    out = tl.where(i == j, token, out)
+    tl.store(out_ptr + b * (k + 1) + i, out.to(out_ptr.dtype.element_ty), mask=in_rows)
+    if WITH_LOGPROBS:
+        emitted = in_rows & (out != -1)
+        safe_out = tl.minimum(tl.maximum(tl.where(emitted, out, 0), 0), vocab - 1)  # never read out of bounds
+        x_out = tl.load(t_row + i.to(tl.int64) * t_stride_i + safe_out, mask=emitted, other=0.0).to(tl.float32)
+        z_out = x_out / t
+        kept = (_order_key_tl(z_out) >= tau) & (tl.exp(z_out - m) >= min_e)
+        logprob = tl.where(kept, (z_out - m) - tl.log(mass), float("-inf"))
+        logprob = tl.where(greedy, 0.0, logprob)
+        tl.store(logprobs_ptr + b * (k + 1) + i, tl.where(emitted, logprob, 0.0), mask=in_rows)
+    if COUNT:
+        add_counters_tl(counters_ptr, num_accepted, (j + 1).to(tl.int64), k)
+
+@triton.jit
+def _verify_kernel(
+    target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr, stats_ptr,
+    out_ptr, logprobs_ptr, counters_ptr,
+    k, vocab, num_rows,
+    t_stride_b, t_stride_i, draft_stride_b, q_stride_b, q_stride_i,
+    temperature_stride, min_p_stride, seed_stride, offset_stride,
+    HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr,
+    WITH_LOGPROBS: tl.constexpr, COUNT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    FAST_LOG: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    (greedy, t, min_e, seed, offset, i, in_k, m, tau, mass, argmax, draft, valid, qm, qtau, qmass, p_x, q_x, u,
+     matches) = _accept_tests_tl(b, target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr,
+                                 stats_ptr, k, vocab, num_rows, t_stride_b, t_stride_i, draft_stride_b, q_stride_b,
+                                 q_stride_i, temperature_stride, min_p_stride, seed_stride, offset_stride,
+                                 HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS, BLOCK_K)
+    t_row = target_ptr + b * t_stride_b
+    q_row = q_ptr + b * q_stride_b
     first_mismatch = tl.min(tl.where(in_k & ~matches, i, k), axis=0)
 
     weights = tl.full([BLOCK_K], 1.0, tl.float32)
@@ -626,21 +667,8 @@ def _verify_kernel(
             token = token.to(tl.int64)
         token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # non-finite rows: stay in [0, V)
 
-    out = tl.where(i < j, draft, -1)
-    out = tl.where(i == j, token, out)
-    tl.store(out_ptr + b * (k + 1) + i, out.to(out_ptr.dtype.element_ty), mask=in_rows)
-    if WITH_LOGPROBS:
-        emitted = in_rows & (out != -1)
-        safe_out = tl.minimum(tl.maximum(tl.where(emitted, out, 0), 0), vocab - 1)  # never read out of bounds
-        x_out = tl.load(t_row + i64 * t_stride_i + safe_out, mask=emitted, other=0.0).to(tl.float32)
-        z_out = x_out / t
-        e_out = tl.exp(z_out - m)
-        kept = (_order_key_tl(z_out) >= tau) & (e_out >= min_e)
-        logprob = tl.where(kept, (z_out - m) - tl.log(mass), float("-inf"))
-        logprob = tl.where(greedy, 0.0, logprob)
-        tl.store(logprobs_ptr + b * (k + 1) + i, tl.where(emitted, logprob, 0.0), mask=in_rows)
-    if COUNT:
-        add_counters_tl(counters_ptr, num_accepted, (j + 1).to(tl.int64), k)
+    _store_round_tl(out_ptr, logprobs_ptr, counters_ptr, b, i, k, j, draft, token, num_accepted, t_row, t_stride_i,
+                    vocab, greedy, t, m, tau, mass, min_e, WITH_LOGPROBS, COUNT)
 
 @triton.jit
 def _race_verify_kernel(
@@ -660,41 +688,13 @@ def _race_verify_kernel(
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     num_chunks = tl.num_programs(1)
-    temperature = tl.load(temperature_ptr + b * temperature_stride)
-    greedy = ~(temperature > 0)
-    t = tl.where(greedy, 1.0, temperature)
-    min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
-    seed = tl.load(seed_ptr + b * seed_stride)
-    offset = tl.load(offset_ptr + b * offset_stride)
-    i = tl.arange(0, BLOCK_K)
-    i64 = i.to(tl.int64)
-    in_k = i < k
-    in_rows = i <= k
-    stats = stats_ptr + b * num_rows * 4
-    m = tl.load(stats + i * 4, mask=in_rows, other=0).to(tl.float32, bitcast=True)
-    tau = tl.load(stats + i * 4 + 1, mask=in_rows, other=0)
-    mass = tl.load(stats + i * 4 + 2, mask=in_rows, other=0x3F800000).to(tl.float32, bitcast=True)  # 1.0
-    argmax = tl.load(stats + i * 4 + 3, mask=in_rows, other=0)
-    draft = tl.load(draft_ptr + b * draft_stride_b + i, mask=in_k, other=-1).to(tl.int64)
-    valid = in_k & (draft >= 0) & (draft < vocab)
-    safe = tl.where(valid, draft, 0)
+    (greedy, t, min_e, seed, offset, i, in_k, m, tau, mass, argmax, draft, valid, qm, qtau, qmass, p_x, q_x, u,
+     matches) = _accept_tests_tl(b, target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr,
+                                 stats_ptr, k, vocab, num_rows, t_stride_b, t_stride_i, draft_stride_b, q_stride_b,
+                                 q_stride_i, temperature_stride, min_p_stride, seed_stride, offset_stride,
+                                 HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS, BLOCK_K)
     t_row = target_ptr + b * t_stride_b
     q_row = q_ptr + b * q_stride_b
-    x_at = tl.load(t_row + i64 * t_stride_i + safe, mask=valid, other=0.0).to(tl.float32)
-    p_x = tl.where(valid, _prob_tl(x_at, t, m, tau, mass, min_e), 0.0)
-    if HAS_DRAFT_LOGITS:
-        qm = tl.load(stats + (k + 1 + i) * 4, mask=in_k, other=0).to(tl.float32, bitcast=True)
-        qtau = tl.load(stats + (k + 1 + i) * 4 + 1, mask=in_k, other=0)
-        qmass = tl.load(stats + (k + 1 + i) * 4 + 2, mask=in_k, other=0x3F800000).to(tl.float32, bitcast=True)
-    else:
-        qm = m
-        qtau = tau
-        qmass = mass
-    q_x = _q_block_tl(q_row + i64 * q_stride_i, safe, valid, safe, t, qm, qtau, qmass, min_e,
-                      HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS)
-    u = (_draw_bits_tl(_row_state_tl(seed, offset + i, i * 0 + 2), i * 0) >> 8).to(tl.float32) \
-        * 5.960464477539063e-08  # ACCEPT stream
-    matches = valid & (draft == argmax.to(tl.int64))
     accepted = tl.where(greedy, matches, valid & (u * q_x < p_x))
     j = tl.min(tl.where(in_k & ~accepted, i, k), axis=0)
 
@@ -757,20 +757,11 @@ def _race_verify_kernel(
                 token = tl.where(fb_top > 0, tl.min(tl.where(fb_key == fb_top, fb_token, vocab), axis=0), 0)
                 token = token.to(tl.int64)
             token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # non-finite rows: stay in [0, V)
-        out = tl.where(i < j, draft, -1)
-        out = tl.where(i == j, token, out)
-        tl.store(out_ptr + b * (k + 1) + i, out.to(out_ptr.dtype.element_ty), mask=in_rows)
-        if WITH_LOGPROBS:
-            emitted = in_rows & (out != -1)
-            safe_out = tl.minimum(tl.maximum(tl.where(emitted, out, 0), 0), vocab - 1)  # never read out of bounds
-            x_out = tl.load(t_row + i64 * t_stride_i + safe_out, mask=emitted, other=0.0).to(tl.float32)
-            z_out = x_out / t
-            kept = (_order_key_tl(z_out) >= tau) & (tl.exp(z_out - m) >= min_e)
-            logprob = tl.where(kept, (z_out - m) - tl.log(mass), float("-inf"))
-            logprob = tl.where(greedy, 0.0, logprob)
-            tl.store(logprobs_ptr + b * (k + 1) + i, tl.where(emitted, logprob, 0.0), mask=in_rows)
+        num_accepted = tl.zeros([], tl.int64)
         if COUNT:
-            add_counters_tl(counters_ptr, tl.sum(accepted.to(tl.int64), axis=0), (j + 1).to(tl.int64), k)
+            num_accepted = tl.sum(accepted.to(tl.int64), axis=0)
+        _store_round_tl(out_ptr, logprobs_ptr, counters_ptr, b, i, k, j, draft, token, num_accepted, t_row,
+                        t_stride_i, vocab, greedy, t, m, tau, mass, min_e, WITH_LOGPROBS, COUNT)
 
 @triton.jit
 def _draft_race_kernel(
