@@ -122,6 +122,16 @@ inline RoundShape check_round_shape(const char* op, const char* target_name, con
   return shape;
 }
 
+// The float32 [n, V] CPU tensor a draft sampler writes its row distributions into (the .with_probs overloads).
+inline void check_draft_probs_out(const char* op, const at::Tensor& probs, int64_t rows, int64_t vocab) {
+  check_rank(op, "probs", probs, 2);
+  check_dtype(op, "probs", probs, at::kFloat);
+  check_cpu(op, "probs", probs);
+  check_unit_stride(op, "probs", probs);
+  check_size(op, "probs", probs, 0, rows, "n, rows of logits");
+  check_size(op, "probs", probs, 1, vocab, "V, columns of logits");
+}
+
 // The int64 [3] (accepted, emitted, proposed) statistics of the .counted overloads.
 inline void check_counters(const char* op, const at::Tensor& counters,
                            const c10::Device& device = c10::Device(c10::kCPU)) {

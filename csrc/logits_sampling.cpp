@@ -380,14 +380,7 @@ at::Tensor draft_impl(const at::Tensor& logits, const at::Tensor& temperature, c
   check_params(op, temperature, top_k, top_p, min_p, rows, "n, rows of logits");
   check_vector(op, "seeds", seeds, rows, "n, rows of logits", false, at::kLong);
   check_vector(op, "positions", positions, rows, "n, rows of logits", false, at::kLong);
-  if (probs != nullptr) {
-    check_rank(op, "probs", *probs, 2);
-    check_dtype(op, "probs", *probs, at::kFloat);
-    check_cpu(op, "probs", *probs);
-    check_unit_stride(op, "probs", *probs);
-    check_size(op, "probs", *probs, 0, rows, "n, rows of logits");
-    check_size(op, "probs", *probs, 1, vocab, "V, columns of logits");
-  }
+  if (probs != nullptr) check_draft_probs_out(op, *probs, rows, vocab);
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* out_data = out.data_ptr<int64_t>();
   const void* base = logits.const_data_ptr();

@@ -256,14 +256,7 @@ at::Tensor sample_draft_impl(const at::Tensor& logits, const at::Tensor& tempera
   check_size(op, "temperature", temperature, 0, rows, "n, rows of logits");
   check_1d_int64(op, "seeds", seeds, rows, "n, rows of logits");
   check_1d_int64(op, "positions", positions, rows, "n, rows of logits");
-  if (probs != nullptr) {
-    check_rank(op, "probs", *probs, 2);
-    check_dtype(op, "probs", *probs, at::kFloat);
-    check_cpu(op, "probs", *probs);
-    check_unit_stride(op, "probs", *probs);
-    check_size(op, "probs", *probs, 0, rows, "n, rows of logits");
-    check_size(op, "probs", *probs, 1, vocab, "V, columns of logits");
-  }
+  if (probs != nullptr) check_draft_probs_out(op, *probs, rows, vocab);
 
   at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
   int64_t* out_data = out.data_ptr<int64_t>();
