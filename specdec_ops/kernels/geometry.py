@@ -46,7 +46,7 @@ LOGITS_SAMPLING = dict(
     programs_per_sm=2,
     # The statistics and filter passes: chunks of a fixed length (batch-invariant sums); 16 chunks of a 32000 row.
     stats_chunk=2048,
-    interpreter_stats_chunk=64,  # TRITON_INTERPRET: small, so the CPU tests split their rows by default
+    interpreter_stats_chunk=64,  # TRITON_INTERPRET: short, so that CPU tests with small blocks split their rows
     hist_bins=64,
     bin_scale=1,  # 63 logits deep: a peaked row's top token may lead its top_k-th by 30 and more
     cap=1024,
