@@ -43,34 +43,26 @@ BUILTIN_PROMPTS = (
 )
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _checked(parse, kind: str, valid, expected: str):
+    """An argparse type: `parse` the text (else "expected {kind}"), then require `valid(value)` (else "expected
+    {expected}")."""
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind}, got {text!r}") from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+
+    return convert
 
 
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < 2 ** 63:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**63), got {value}")
-    return value
+_positive_int = _checked(int, "an integer", lambda value: value >= 1, "an integer >= 1")
+_temperature = _checked(float, "a number", lambda value: math.isfinite(value) and value >= 0,
+                        "a finite number >= 0")
+_seed = _checked(int, "an integer", lambda value: 0 <= value < 2 ** 63, "an integer in [0, 2**63)")
 
 
 def _sizes(text: str) -> list[int]:

@@ -541,6 +541,42 @@ def _store_round_tl(out_ptr, logprobs_ptr, counters_ptr, b, i, k, j, draft, toke
         add_counters_tl(counters_ptr, num_accepted, (j + 1).to(tl.int64), k)
 
 @triton.jit
+def _race_row_tl(i, j, k, m, tau, mass, qm, qtau, qmass, draft, valid, seed, offset, t_row, q_row, t_stride_i,
+                 q_stride_i):
+    """What a race at row j needs: that row's target and draft statistics (picked from the [BLOCK_K] vectors), its
+    draft id (-1 at the bonus row or an invalid id), its random stream (RESIDUAL, or BONUS at j == k) and the
+    pointers to its target logits and draft row."""
+    jm = _pick_tl(m, i, j)
+    jtau = _pick_tl(tau, i, j)
+    jmass = _pick_tl(mass, i, j)
+    jqm = _pick_tl(qm, i, j)
+    jqtau = _pick_tl(qtau, i, j)
+    jqmass = _pick_tl(qmass, i, j)
+    draft_j = tl.max(tl.where((i == j) & valid, draft, -1), axis=0).to(tl.int32)
+    state = _row_state_tl(seed, offset + j, tl.where(j < k, 3, 4))  # RESIDUAL or BONUS
+    p_race = t_row + j.to(tl.int64) * t_stride_i
+    q_race = q_row + j.to(tl.int64) * q_stride_i
+    return jm, jtau, jmass, jqm, jqtau, jqmass, draft_j, state, p_race, q_race
+
+@triton.jit
+def _draw_from_p_tl(p_race, vocab, t, jm, jtau, jmass, min_e, state, BLOCK_V: tl.constexpr, FAST_LOG: tl.constexpr):
+    """A token drawn from the processed target row at p_race by the segmented race (int64; 0 if the row has no
+    positive probability): the verifiers' slow path when the residual has no positive key."""
+    fb_total, fb_exp, fb_segment, fb_weights = _segment_race_start_tl(BLOCK_V)
+    for v0 in range(0, vocab, BLOCK_V):
+        segment, v = _segment_block_tl(tl.multiple_of(v0, BLOCK_V), BLOCK_V)
+        in_row = v < vocab
+        x = tl.load(p_race + v, mask=in_row, other=float("-inf")).to(tl.float32)
+        p = tl.where(in_row, _prob_tl(x, t, jm, jtau, jmass, min_e), 0.0)
+        fb_total, fb_exp, fb_segment, fb_weights = _segment_race_tl(
+            p, segment, state, fb_total, fb_exp, fb_segment, fb_weights, FAST_LOG)
+    fb_key = fb_total / fb_exp
+    fb_top = tl.max(fb_key, axis=0)
+    fb_token = _segment_pick_tl(fb_weights, fb_segment, state)
+    token = tl.where(fb_top > 0, tl.min(tl.where(fb_key == fb_top, fb_token, vocab), axis=0), 0)
+    return token.to(tl.int64)
+
+@triton.jit
 def _verify_kernel(
     target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr, stats_ptr,
     out_ptr, logprobs_ptr, counters_ptr,
@@ -618,22 +654,8 @@ def _verify_kernel(
     if ~greedy:
         # Race at row j (residual, or the bonus at k with q = 0) over max(w_j * p - q, 0).
         w_j = _pick_tl(weights, i, j)
-        jm = _pick_tl(m, i, j)
-        jtau = _pick_tl(tau, i, j)
-        jmass = _pick_tl(mass, i, j)
-        if HAS_DRAFT_LOGITS:
-            jqm = _pick_tl(qm, i, j)
-            jqtau = _pick_tl(qtau, i, j)
-            jqmass = _pick_tl(qmass, i, j)
-        else:
-            jqm = jm
-            jqtau = jtau
-            jqmass = jmass
-        draft_j = tl.max(tl.where((i == j) & valid, draft, -1), axis=0).to(tl.int32)
-        has_q = j < k
-        state = _row_state_tl(seed, offset + j, tl.where(has_q, 3, 4))  # RESIDUAL or BONUS
-        p_race = t_row + j.to(tl.int64) * t_stride_i
-        q_race = q_row + j.to(tl.int64) * q_stride_i
+        (jm, jtau, jmass, jqm, jqtau, jqmass, draft_j, state, p_race, q_race) = _race_row_tl(
+            i, j, k, m, tau, mass, qm, qtau, qmass, draft, valid, seed, offset, t_row, q_row, t_stride_i, q_stride_i)
         best_total, best_exp, best_segment, best_weights = _segment_race_start_tl(BLOCK_V)
         for v0 in range(0, vocab, BLOCK_V):
             segment, v = _segment_block_tl(tl.multiple_of(v0, BLOCK_V), BLOCK_V)
@@ -652,19 +674,7 @@ def _verify_kernel(
             token = tl.min(tl.where(best_key == top, race_token, vocab), axis=0).to(tl.int64)
         else:
             # No positive residual key: draw from p_j itself, same random numbers.
-            fb_total, fb_exp, fb_segment, fb_weights = _segment_race_start_tl(BLOCK_V)
-            for v0 in range(0, vocab, BLOCK_V):
-                segment, v = _segment_block_tl(tl.multiple_of(v0, BLOCK_V), BLOCK_V)
-                in_row = v < vocab
-                x = tl.load(p_race + v, mask=in_row, other=float("-inf")).to(tl.float32)
-                p = tl.where(in_row, _prob_tl(x, t, jm, jtau, jmass, min_e), 0.0)
-                fb_total, fb_exp, fb_segment, fb_weights = _segment_race_tl(
-                    p, segment, state, fb_total, fb_exp, fb_segment, fb_weights, FAST_LOG)
-            fb_key = fb_total / fb_exp
-            fb_top = tl.max(fb_key, axis=0)
-            fb_token = _segment_pick_tl(fb_weights, fb_segment, state)
-            token = tl.where(fb_top > 0, tl.min(tl.where(fb_key == fb_top, fb_token, vocab), axis=0), 0)
-            token = token.to(tl.int64)
+            token = _draw_from_p_tl(p_race, vocab, t, jm, jtau, jmass, min_e, state, BLOCK_V, FAST_LOG)
         token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # non-finite rows: stay in [0, V)
 
     _store_round_tl(out_ptr, logprobs_ptr, counters_ptr, b, i, k, j, draft, token, num_accepted, t_row, t_stride_i,
@@ -698,21 +708,8 @@ def _race_verify_kernel(
     accepted = tl.where(greedy, matches, valid & (u * q_x < p_x))
     j = tl.min(tl.where(in_k & ~accepted, i, k), axis=0)
 
-    jm = _pick_tl(m, i, j)
-    jtau = _pick_tl(tau, i, j)
-    jmass = _pick_tl(mass, i, j)
-    if HAS_DRAFT_LOGITS:
-        jqm = _pick_tl(qm, i, j)
-        jqtau = _pick_tl(qtau, i, j)
-        jqmass = _pick_tl(qmass, i, j)
-    else:
-        jqm = jm
-        jqtau = jtau
-        jqmass = jmass
-    draft_j = tl.max(tl.where((i == j) & valid, draft, -1), axis=0).to(tl.int32)
-    state = _row_state_tl(seed, offset + j, tl.where(j < k, 3, 4))  # RESIDUAL or BONUS
-    p_race = t_row + j.to(tl.int64) * t_stride_i
-    q_race = q_row + j.to(tl.int64) * q_stride_i
+    (jm, jtau, jmass, jqm, jqtau, jqmass, draft_j, state, p_race, q_race) = _race_row_tl(
+        i, j, k, m, tau, mass, qm, qtau, qmass, draft, valid, seed, offset, t_row, q_row, t_stride_i, q_stride_i)
     if ~greedy:
         # Race at row j (residual, or the bonus at k with q = 0) over max(p - q, 0), this program's chunk.
         best_total, best_exp, best_segment, best_weights = _segment_race_start_tl(BLOCK_V)
@@ -743,19 +740,7 @@ def _race_verify_kernel(
             token = vocab - 1 - (packed & 0xFFFFFFFF)
             if (packed >> 32) <= 0:
                 # No positive residual key: draw from p_j itself, same random numbers (the whole row).
-                fb_total, fb_exp, fb_segment, fb_weights = _segment_race_start_tl(BLOCK_V)
-                for v0 in range(0, vocab, BLOCK_V):
-                    segment, v = _segment_block_tl(tl.multiple_of(v0, BLOCK_V), BLOCK_V)
-                    in_row = v < vocab
-                    x = tl.load(p_race + v, mask=in_row, other=float("-inf")).to(tl.float32)
-                    p = tl.where(in_row, _prob_tl(x, t, jm, jtau, jmass, min_e), 0.0)
-                    fb_total, fb_exp, fb_segment, fb_weights = _segment_race_tl(
-                        p, segment, state, fb_total, fb_exp, fb_segment, fb_weights, FAST_LOG)
-                fb_key = fb_total / fb_exp
-                fb_top = tl.max(fb_key, axis=0)
-                fb_token = _segment_pick_tl(fb_weights, fb_segment, state)
-                token = tl.where(fb_top > 0, tl.min(tl.where(fb_key == fb_top, fb_token, vocab), axis=0), 0)
-                token = token.to(tl.int64)
+                token = _draw_from_p_tl(p_race, vocab, t, jm, jtau, jmass, min_e, state, BLOCK_V, FAST_LOG)
             token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # non-finite rows: stay in [0, V)
         num_accepted = tl.zeros([], tl.int64)
         if COUNT:
