@@ -9,7 +9,7 @@ Models (random weights, the same in every path): the target has Llama-3.2-1B's s
 ``--draft-layers`` layers with its embedding, final norm and head (no copy). Random weights give no realistic
 acceptance by themselves, so the target's later layers are damped: their attention and MLP output projections are
 scaled by a factor s. s is calibrated per batch size, on the very requests that are timed: bisection on the
-acceptance of the compiled speculative generator's own greedy run of them (256 tokens each; the CUDA graphs read
+acceptance of the compiled speculative generator's own run of them (256 tokens each; the CUDA graphs read
 the weights in place, so a new s needs no recompile), to the s whose acceptance is closest to ``--alpha`` (default
 0.75) from above. Greedy generation with random weights falls into repeated tokens at rates that depend on the
 prompt (one calibration shared by all batch sizes, on 8 other prompts at 0.80, gave 0.96 on the batch-1 prompt),
@@ -32,7 +32,10 @@ the host share: the part of the speculative run's wall time in which no round gr
 into the admissions (their CUDA-event spans: prefills, first tokens, state writes) and the rest (the device
 waiting for the host between groups). With --full-split the target and verification parts of a round are timed
 too (two more compiles per batch size), against the target-only round: Leviathan's formula takes the verify
-forward to cost one target step. The JSON (and the table on stderr) is rewritten after every batch size.
+forward to cost one target step. Requests are greedy by default (verified by greedy_verify); with --temperature T
+they sample at T (request i's seed is i; target-only samples too) and speculation verifies by rejection sampling,
+whose acceptance is a coin per draft (sum of min(p, q)) rather than greedy's all-or-nothing match of a repeating
+continuation. The JSON (and the table on stderr) is rewritten after every batch size.
 """
 from __future__ import annotations
 
@@ -65,6 +68,9 @@ def parse_args(argv=None):
     p.add_argument("--draft-layers", type=int, default=None, help="default 2 (1 with --quick)")
     p.add_argument("--alpha", type=float, default=0.75,
                    help="the acceptance (of the timed requests' own speculative run) to calibrate to, per batch")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy requests verified by greedy_verify; > 0: every request samples at this "
+                        "temperature (seed = its index) and speculation verifies by rejection sampling")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     p.add_argument("--full-split", nargs="?", const="all", default=None,
                    help="also time the target and verification parts (at these comma-separated batch sizes, or all)")
@@ -79,6 +85,8 @@ def parse_args(argv=None):
         p.error("--k must be >= 1")
     if not 0 < args.alpha < 1:
         p.error("--alpha must lie in (0, 1)")
+    if not args.temperature >= 0 or args.temperature == float("inf"):
+        p.error(f"--temperature must be finite and >= 0, got {args.temperature}")
     return args
 
 
@@ -205,9 +213,11 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
     """Calibrates the damping on this batch's requests, then times target-only and speculative generation."""
     k = args.k
     max_model_len = -(-(args.prompt_len + args.new_tokens + k + 1) // 16) * 16
-    config = GeneratorConfig(num_speculative_tokens=k, method="greedy", max_num_reqs=batch,
+    method = "rejection" if args.temperature > 0 else "greedy"
+    config = GeneratorConfig(num_speculative_tokens=k, method=method, max_num_reqs=batch,
                              max_model_len=max_model_len, block_size=16, batch_sizes=(batch,), read_every=8)
-    requests = [Request(p, args.new_tokens) for p in prompts[:batch]]
+    requests = [Request(p, args.new_tokens, temperature=args.temperature, seed=i)
+                for i, p in enumerate(prompts[:batch])]
     full_split = args.full_split == "all" or (args.full_split and str(batch) in args.full_split.split(","))
     t0 = time.perf_counter()
     spec = Generator(target, draft, config, device=device, compile=compile)
@@ -228,7 +238,8 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
         # The target and verification parts are timed only with --full-split (each is one more compile per size).
         split = generator.measure_split(batch, repeats=5 if device == "cuda" else 2,
                                         parts=("draft", "target", "verify") if full_split else ("draft",))
-        generator.generate([Request(p, 8) for p in prompts[:batch]])  # untimed: JIT of the admission's kernels
+        generator.generate([Request(r.prompt_ids, 8, temperature=r.temperature, seed=r.seed)
+                            for r in requests])  # untimed: JIT of the admission's kernels
         warm = time.perf_counter() - t0
         out = generator.generate(requests)
         results[name] = dict(out=out, split=split, warm_up_s=warm)
@@ -238,6 +249,10 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
     return results
 
 
+def spec_method(args) -> str:
+    return f"rejection sampling, temperature {args.temperature:g}" if args.temperature > 0 else "greedy"
+
+
 def wait_for(path: str | None) -> None:
     while path is not None and not Path(path).exists():
         time.sleep(0.5)
@@ -245,10 +260,11 @@ def wait_for(path: str | None) -> None:
 
 @torch.no_grad()
 def hf_run(hf, hf_draft, prompt, args, device: str, mode: str) -> float:
-    """tokens/s of transformers' generate at batch 1 (greedy)."""
+    """tokens/s of transformers' generate at batch 1 (greedy, or sampling at --temperature)."""
     ids = torch.tensor([prompt], device=device)
-    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                  pad_token_id=0)
+    sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0) if args.temperature > 0 \
+        else dict(do_sample=False)
+    kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0, **sampling)
     if mode == "static":
         kwargs["cache_implementation"] = "static"
     if mode == "assisted":
@@ -297,7 +313,7 @@ def main(argv=None) -> int:
         measured = spec.tokens_per_s / plain.tokens_per_s
         same = sum(a.token_ids == b.token_ids for a, b in zip(result["spec"]["out"].requests,
                                                                result["plain"]["out"].requests))
-        row = dict(batch=batch, **result["calibration"], plain_tokens_per_s=plain.tokens_per_s,
+        row = dict(batch=batch, method=spec_method(args), **result["calibration"], plain_tokens_per_s=plain.tokens_per_s,
                    spec_tokens_per_s=spec.tokens_per_s,
                    alpha=alpha, alpha_realistic=alpha is not None and 0.5 <= alpha <= 0.9,
                    acceptance_per_position=spec.acceptance_per_position, rounds=spec.rounds,
@@ -308,7 +324,7 @@ def main(argv=None) -> int:
                    mean_emitted_per_round=spec.mean_emitted_per_round, c=c, speedup=measured,
                    predicted_speedup=predicted, efficiency=measured / predicted, host_share=spec.host_share,
                    plain_host_share=plain.host_share, split_ms=result["spec"]["split"],
-                   plain_round_ms=result["plain"]["split"]["round"], identical_requests=f"{same}/{batch}",
+                   plain_round_ms=result["plain"]["split"]["round"], identical_requests=f"{same}/{batch}" if args.temperature == 0 else "-",
                    warm_up_s=result["spec"]["warm_up_s"] + result["plain"]["warm_up_s"])
         if batch == 1 and hf is not None:
             for mode in ("dynamic", "static", "assisted"):
@@ -321,6 +337,7 @@ def main(argv=None) -> int:
         document = dict(device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
                         torch=torch.__version__, dtype=str(dtype), shapes=shapes, k=k, prompt_len=args.prompt_len,
                         new_tokens=args.new_tokens, draft_layers=args.draft_layers, calibration_alpha=args.alpha,
+                        method=rows[-1]["method"], temperature=args.temperature,
                         compile=compile, rows=rows,
                         total_s=time.perf_counter() - started)
         print(markdown(document), file=sys.stderr, flush=True)  # what is done so far survives a time limit
@@ -341,7 +358,7 @@ def markdown(doc) -> str:
 
     lines = [f"## bench_generate: {doc['device']}, torch {doc['torch']}, {doc['dtype']}, k = {doc['k']}, "
              f"prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, draft = target's first "
-             f"{doc['draft_layers']} layers (the target's later layers damped by s, calibrated per batch on the "
+             f"{doc['draft_layers']} layers, {doc.get('method', 'greedy')} (the target's later layers damped by s, calibrated per batch on the "
              f"timed requests to an acceptance >= {doc['calibration_alpha']})", "",
              "| batch | target-only tok/s | speculative tok/s | alpha (in 0.5-0.9) | mean emitted | c | speedup | "
              "predicted | efficiency | host share (admissions + waiting) | target-only host share | "
