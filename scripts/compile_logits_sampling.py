@@ -30,12 +30,14 @@ POINTERS = {"target_ptr": "*bf16", "draft_logits_ptr": "*bf16", "logits_ptr": "*
 
 def compile_variant(fn, constexprs, name, pointers=None) -> bool:
     types = {**POINTERS, **(pointers or {})}
+    row_passes = (kernels._stats_kernel, kernels._filter_kernel)
+    warps = GEOMETRY["stats_num_warps"] if fn in row_passes else GEOMETRY["num_warps"]
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
     if fn is kernels._filter_kernel:
         signature["partial_ptr"] = "*fp32"  # the kept masses of min-p rows
     try:
         binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
-                                options={"num_warps": GEOMETRY["num_warps"], "num_stages": GEOMETRY["num_stages"]})
+                                options={"num_warps": warps, "num_stages": GEOMETRY["num_stages"]})
     except Exception as error:  # report every variant, then fail
         print(f"{name}: FAILED: {type(error).__name__}: {str(error)[:3000]}")
         return False
@@ -45,16 +47,23 @@ def compile_variant(fn, constexprs, name, pointers=None) -> bool:
 
 def main() -> int:
     ok = True
-    rows = dict(BLOCK_V=GEOMETRY["block_v"], NUM_STAGES=GEOMETRY["num_stages"], BLOCK_C=16)
-    search = {"SEARCH_BLOCK": GEOMETRY["search_block"], "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"]}
+    rows = dict(BLOCK_V=GEOMETRY["stats_block_v"], NUM_STAGES=GEOMETRY["num_stages"], BLOCK_C=16)
+    search = {"SEARCH_BLOCK": GEOMETRY["search_block"], "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"],
+              "SMALL_CAP": GEOMETRY["small_cap"]}
+    # The GPU's chunks are one block each (chunk_is_block); a chunk of several blocks, as tests force, takes the
+    # online-sum loop: compiled once, fused.
+    stats_variants = [(logits, fused, True) for logits in (False, True) for fused in (False, True)]
+    stats_variants.append((True, True, False))
+    for has_draft_logits, fused, chunk_is_block in stats_variants:
+        ok &= compile_variant(kernels._stats_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows,
+                                                      "CHUNK_IS_BLOCK": chunk_is_block,
+                                                      "NUM_BINS": GEOMETRY["hist_bins"],
+                                                      "BIN_SCALE": GEOMETRY["bin_scale"], "FUSED_FILTER": fused,
+                                                      **search},
+                              f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused}, "
+                              f"chunk_is_block={chunk_is_block})",
+                              {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"})
     for has_draft_logits in (False, True):
-        for fused in (False, True):
-            ok &= compile_variant(kernels._stats_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows,
-                                                          "NUM_BINS": GEOMETRY["hist_bins"],
-                                                          "BIN_SCALE": GEOMETRY["bin_scale"], "FUSED_FILTER": fused,
-                                                          **search},
-                                  f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused})",
-                                  {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"})
         ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows, **search},
                               f"_filter_kernel(draft_logits={has_draft_logits})")
     for probs, logits in ((True, False), (False, True), (False, False)):

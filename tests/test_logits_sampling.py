@@ -497,6 +497,30 @@ def test_triton_row_sums_do_not_depend_on_the_batch():
         assert torch.equal(probs_one, probs[row:row + 1])
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_chunks_per_program_do_not_change_results():
+    """The statistics and filter passes give a program several consecutive chunks, as many as the batch size calls
+    for: each chunk's partial is still its own and the row's last program combines them in chunk order, so logprobs
+    (S) and tokens are bit for bit the same for 1, 2 or all chunks per program, with the filter pass fused or not
+    (filtered, min-p and plain rows; V = 150 in 5 chunks of two blocks)."""
+    gen = torch.Generator().manual_seed(77)
+    args = list(make_case(78, 3, 2, 150, draft="logits"))
+    args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
+    args[4] = torch.tensor([0.9, 1.2, 0.8])
+    args[5] = torch.tensor([7, 0, 0])
+    args[6] = torch.tensor([0.8, 1.0, 1.0])
+    args[7] = torch.tensor([0.0, 0.1, 0.0])
+    check_against_reference(run_triton, tuple(args), False, block_v=16, num_chunks=5, chunks_per_program=1,
+                            fused_filter=False)
+    one_chunk, one_chunk_lp = run_triton(tuple(args), False, logprobs=True, block_v=16, num_chunks=5,
+                                         chunks_per_program=1, fused_filter=False)
+    for chunks_per_program, fused in ((2, False), (5, True), (3, True)):
+        out, lp = run_triton(tuple(args), False, logprobs=True, block_v=16, num_chunks=5,
+                             chunks_per_program=chunks_per_program, fused_filter=fused)
+        assert torch.equal(out, one_chunk)
+        assert torch.equal(lp, one_chunk_lp)
+
+
 @pytest.mark.parametrize("params", ["off", "filters"])
 def test_non_finite_rows_stay_in_range(params):
     """NaN, +inf and all -inf rows: tokens unspecified but in [0, V), with the searches bounded; the other rows as
@@ -889,4 +913,4 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(": ok (") == 14, result.stdout
+    assert result.stdout.count(": ok (") == 15, result.stdout

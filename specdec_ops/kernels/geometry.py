@@ -33,26 +33,36 @@ REJECTION_SAMPLE = dict(
 # One program per row, so wide blocks keep a row's two passes short.
 SAMPLE_DRAFT = dict(block_v=4096, num_warps=16)
 
-# rejection_sample_logits and sample_draft_filtered: every pass splits a row's V into chunks of at most max_chunk
+# rejection_sample_logits and sample_draft_filtered. The race passes split a row's V into chunks of at most max_chunk
 # entries (a multiple of block_v), more when the rows alone would give fewer than programs_per_sm programs per SM.
-# The statistics pass also counts each chunk's logits in hist_bins bins of width 1 / bin_scale below its maximum,
-# from which the filter pass picks the lower bound of its candidates; at most cap candidates per row are sorted in
-# registers (more take the full threshold search, one program per row, search_block entries by num_probes probes).
+# The statistics and filter passes use chunks of a fixed length (stats_chunk: a row's sums do not depend on its
+# batch), each read as one block of stats_block_v entries, several consecutive chunks per program so that the grid
+# has about stats_programs_per_sm programs per SM. The statistics pass also counts each chunk's logits in hist_bins
+# bins of width 1 / bin_scale below its maximum, from which the filter pass picks the lower bound of its candidates;
+# at most cap candidates per row are sorted in registers (small_cap of them when there are that few; more take the
+# full threshold search, one program per row, search_block entries by num_probes probes).
 LOGITS_SAMPLING = dict(
-    block_v=1024,
+    block_v=1024,  # the race passes' block
     num_warps=4,
     num_stages=3,
-    max_chunk=8192,  # the race passes: chunks of at most this many entries, more chunks for small batches
+    # The race passes: chunks of at most max_chunk entries, more chunks for small batches. More and shorter chunks
+    # (8 programs per SM, 4096 entries) measured slower on the H200 (B = 64: 12.7 us against 12.3).
+    max_chunk=8192,
     programs_per_sm=2,
     # The statistics and filter passes: chunks of a fixed length (batch-invariant sums); 16 chunks of a 32000 row.
     stats_chunk=2048,
+    stats_block_v=2048,  # = stats_chunk: a chunk is one load, and the loop over a program's chunks is pipelined
+    stats_num_warps=4,
+    stats_programs_per_sm=8,  # 4 or 2: slower at B = 64 (one program per row); 16: within 1 us either way
     interpreter_stats_chunk=64,  # TRITON_INTERPRET: short, so that CPU tests with small blocks split their rows
     hist_bins=64,
     bin_scale=1,  # 63 logits deep: a peaked row's top token may lead its top_k-th by 30 and more
     cap=1024,
+    small_cap=256,
     search_block=256,
     num_probes=16,
-    fused_filter=0,  # 1: each row's last statistics program runs the filter pass over its row (one launch fewer)
+    fused_filter=2,  # each row's last statistics program runs the filter pass: 0 never, 1 always, 2 when it is the
+    # row's only program (no `_filter_kernel` launch, whose programs cost even when no row is filtered)
     interpreter_sms=4,  # the SM count assumed without CUDA (TRITON_INTERPRET)
 )
 

@@ -5,25 +5,32 @@ keep four numbers, the max m of z = x / T, the threshold tau of the kept set (an
 to int32 so that integer order is float order, -0.0 with +0.0), the kept mass S and the argmax, and recompute a
 probability exp(z - m) / S where they need one.
 
-Every pass splits a row's V into chunks across programs, a grid of (rows, chunks) from the shapes and the SM count
-only (kernels/geometry.py LOGITS_SAMPLING). The statistics and filter passes use chunks of a fixed length, so a
-row's sums are the same whatever batch it is in (batch invariance); the race passes, whose winners are exact maxima,
-take more chunks when the batch is small. The programs of a row meet through its words in the persistent zeroed
-scratch (kernels/scratch.py): an atomic ticket (kernels/ticket.py) elects the row's last program, which combines
-the others' results in chunk order and leaves the words at 0 (no memset; graph-capturable, no host sync).
+Every pass splits a row's V into chunks, a grid from the shapes and the SM count only (kernels/geometry.py
+LOGITS_SAMPLING). The statistics and filter passes use chunks of a fixed length, each chunk's partial computed from
+that chunk alone and the partials combined in chunk order, so a row's sums are the same whatever batch it is in
+(batch invariance); a program takes several consecutive chunks when the batch alone fills the GPU (a grid of
+(rows, programs per row)), which changes who computes a partial, not its value. The race passes, whose winners are
+exact maxima, take more chunks when the batch is small (a grid of (rows, chunks)). The programs of a row meet
+through its words in the persistent zeroed scratch (kernels/scratch.py): an atomic ticket (kernels/ticket.py)
+elects the row's last program, which combines the others' results in chunk order and leaves the words at 0 (no
+memset; graph-capturable, no host sync).
 
-1. `_stats_kernel`: each chunk's max of x, its online sum of exp((x - max) / T) (one exponential per entry) and
-   its argmax; for a row with top-k or top-p on, also a histogram of its x in bins of width 1 / bin_scale below
-   its maximum (tl.histogram, a second read of the chunk from cache). The last program: m = max(x) / T (the
-   division rounds monotonically), S, the argmax (lowest index on ties), and for a filtered row the lower bound of
-   its candidates: the shallowest bin boundary at which the aligned histograms count top_k entries (top-k on), or
-   at which a lower bound of the mass reaches top_p * S (top-p alone); tau holds that bound until pass 2.
-2. `_filter_kernel` (rows no filter touches return at once): every chunk appends the z of its entries at or above
-   the bound to the row's candidates (an atomic slot counter; at most CAP are stored); the last program sorts them
-   in registers (tl.sort, tl.cumsum) and finds tau_k, M_k, tau_p and S exactly, ties at the cut-off kept, as the
-   contract says. The bound is only a guess: the finish checks that the candidates (an upper set of z) hold the
-   kept set (at least top_k of them, or a mass reaching top_p * M_k); a row that fails, or has more than CAP
-   candidates (top-p over a flat distribution), takes the full threshold search in that program
+1. `_stats_kernel`: each chunk's max of x, its sum of exp((x - max) / T) (one exponential per entry) and its
+   argmax; for a row with top-k or top-p on, also a histogram of its x in bins of width 1 / bin_scale below its
+   maximum (tl.histogram). On the GPU a chunk is one block, read once into registers (the histogram too), and the
+   loop over a program's chunks is pipelined; a chunk of several blocks (as tests force) keeps an online sum and
+   reads the chunk again for the histogram. The last program: m = max(x) / T (the division rounds monotonically),
+   S, the argmax (lowest index on ties), and for a filtered row the lower bound of its candidates: the shallowest
+   bin boundary at which the aligned histograms count top_k entries (top-k on), or at which a lower bound of the
+   mass reaches top_p * S (top-p alone); tau holds that bound until pass 2.
+2. `_filter_kernel` (rows no filter touches return at once; run by the statistics pass's last program instead
+   when one program covers a row, so that no launch is spent on unfiltered rows): every program appends the z of
+   its chunks' entries at or above the bound to the row's candidates (an atomic slot counter; at most CAP are
+   stored); the last program sorts them in registers (tl.sort, tl.cumsum; SMALL_CAP entries when there are that
+   few, else CAP: the size is a function of the row alone) and finds tau_k, M_k, tau_p and S exactly, ties at the
+   cut-off kept, as the contract says. The bound is only a guess: the finish checks that the candidates (an upper
+   set of z) hold the kept set (at least top_k of them, or a mass reaching top_p * M_k); a row that fails, or has
+   more than CAP candidates (top-p over a flat distribution), takes the full threshold search in that program
    (`_search_fallback_tl`: passes of NUM_PROBES candidate thresholds over the row until the key is exact, then a
    pass for S). min-p alone needs no search: the chunks' kept masses are summed in chunk order.
 3. Token-wise verification, `_race_verify_kernel` over (B, chunks): every program evaluates the k accept tests
@@ -222,22 +229,80 @@ def _chunk_stats_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered,
     return top, total, argmax, top_bin
 
 @triton.jit
+def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered,
+                          BLOCK_V: tl.constexpr, NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
+    """`_chunk_stats_tl` of a chunk that is one block (end - start <= BLOCK_V), read once: the max, the argmax and
+    the sum from the block in registers, and with `filtered` the histogram from the same registers."""
+    scale = 1.4426950408889634 / t  # exp(d / t) = exp2(d * scale)
+    v = start + tl.arange(0, BLOCK_V)
+    in_chunk = v < end
+    x = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf")).to(tl.float32)
+    top = tl.max(x, axis=0)
+    argmax = tl.min(tl.where(in_chunk & (x == top), v, vocab), axis=0)  # the lowest index on ties
+    total = tl.sum(tl.where(x > float("-inf"), tl.exp2((x - top) * scale), 0.0), axis=0)
+    top_bin = tl.floor(top * BIN_SCALE)
+    if filtered:
+        depth = top_bin - tl.floor(x * BIN_SCALE)
+        inside = in_chunk & (depth >= 0) & (depth < NUM_BINS - 1)  # NaN: outside
+        hist = tl.histogram(tl.where(inside, depth, NUM_BINS - 1).to(tl.int32), NUM_BINS)
+        tl.store(hist_ptr + tl.arange(0, NUM_BINS), hist)
+    return top, total, argmax, top_bin
+
+
+@triton.jit
+def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t, partial_ptr, hist_ptr, filtered,
+                   CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
+    """Chunks c_first .. c_last - 1 of row g: each chunk's statistics into partial [g, c, 4] (and its histogram
+    into hist [g, c, NUM_BINS]), computed from that chunk alone, so whichever program computes it."""
+    if CHUNK_IS_BLOCK:
+        # One block per chunk: the chunk loop itself is pipelined (the next chunks' loads in flight).
+        for c in tl.range(c_first, c_last, num_stages=NUM_STAGES):
+            start = c * chunk_len
+            slot = g * num_chunks + c
+            top, total, argmax, top_bin = _chunk_stats_block_tl(
+                row_ptr, start, tl.minimum(start + chunk_len, vocab), vocab, t, hist_ptr + slot * NUM_BINS,
+                filtered, BLOCK_V, NUM_BINS, BIN_SCALE)
+            _store_partial_tl(partial_ptr + slot * 4, top, total, argmax, top_bin)
+    else:
+        for c in range(c_first, c_last):
+            start = c * chunk_len
+            slot = g * num_chunks + c
+            top, total, argmax, top_bin = _chunk_stats_tl(
+                row_ptr, start, tl.minimum(start + chunk_len, vocab), vocab, t, hist_ptr + slot * NUM_BINS,
+                filtered, BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE)
+            _store_partial_tl(partial_ptr + slot * 4, top, total, argmax, top_bin)
+
+
+@triton.jit
+def _store_partial_tl(partial_ptr, top, total, argmax, top_bin):
+    which = tl.arange(0, 4)
+    partial = tl.where(which == 0, top.to(tl.int32, bitcast=True),
+                       tl.where(which == 1, total.to(tl.int32, bitcast=True),
+                                tl.where(which == 2, argmax, top_bin.to(tl.int32, bitcast=True))))
+    tl.store(partial_ptr + which, partial)
+
+
+@triton.jit
 def _stats_kernel(
     target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, partial_ptr, hist_ptr,
-    ticket_ptr, candidates_ptr, kept_mass_ptr, workspace_ptr, k, vocab, chunk_len, rows_per_request, t_stride_b,
-    t_stride_i, d_stride_b, d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
-    HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_BINS: tl.constexpr,
-    BIN_SCALE: tl.constexpr, BLOCK_C: tl.constexpr, FUSED_FILTER: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-    NUM_PROBES: tl.constexpr, CAP: tl.constexpr,
+    ticket_ptr, candidates_ptr, kept_mass_ptr, workspace_ptr, k, vocab, chunk_len, num_chunks, chunks_per_program,
+    rows_per_request, t_stride_b, t_stride_i, d_stride_b, d_stride_i, temperature_stride, top_k_stride, top_p_stride,
+    min_p_stride,
+    HAS_DRAFT_LOGITS: tl.constexpr, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
+    NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, BLOCK_C: tl.constexpr, FUSED_FILTER: tl.constexpr,
+    SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr,
 ):
-    """Row g = b * rows_per_request + r (target row r <= k, else draft row r - k - 1), chunk c: the chunk's
-    statistics into partial [g, c, 4] (and its histogram into hist [g, c, NUM_BINS] for a row that top-k or
-    top-p filters); the row's last program combines them in chunk order into stats [g] = (m, tau, S, argmax):
-    tau is -inf's key, or for a filtered row the lower bound of the filter pass's candidates. FUSED_FILTER: that
-    program then runs the filter pass over the whole row itself (no `_filter_kernel` launch)."""
+    """Row g = b * rows_per_request + r (target row r <= k, else draft row r - k - 1), program p: the statistics of
+    chunks p * chunks_per_program .. (p + 1) * chunks_per_program - 1 (of num_chunks, each chunk_len entries) into
+    partial [g, c, 4] (and their histograms into hist [g, c, NUM_BINS] for a row that top-k or top-p filters); the
+    row's last program combines them in chunk order into stats [g] = (m, tau, S, argmax): tau is -inf's key, or for
+    a filtered row the lower bound of the filter pass's candidates. FUSED_FILTER: that program then runs the filter
+    pass over the whole row itself (no `_filter_kernel` launch)."""
     g = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    num_chunks = tl.num_programs(1)
+    num_programs = tl.num_programs(1)
+    c_first = tl.program_id(1) * chunks_per_program
+    c_last = tl.minimum(c_first + chunks_per_program, num_chunks)
     b = g // rows_per_request
     r = g % rows_per_request
     temperature = tl.load(temperature_ptr + b * temperature_stride)
@@ -247,24 +312,15 @@ def _stats_kernel(
     top_p = tl.load(top_p_ptr + b * top_p_stride)
     k_on = (top_k > 0) & (top_k < vocab)
     filtered = is_random & (k_on | (top_p < 1.0))
-    start = c * chunk_len
-    end = tl.minimum(start + chunk_len, vocab)
-    slot = g * num_chunks + c
     if r <= k:
-        top, total, argmax, top_bin = _chunk_stats_tl(
-            target_ptr + b * t_stride_b + r * t_stride_i, start, end, vocab, t, hist_ptr + slot * NUM_BINS,
-            filtered, BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE)
+        _span_stats_tl(target_ptr + b * t_stride_b + r * t_stride_i, g, c_first, c_last, num_chunks, chunk_len, vocab,
+                       t, partial_ptr, hist_ptr, filtered, CHUNK_IS_BLOCK, BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE)
     else:
-        top, total, argmax, top_bin = _chunk_stats_tl(
-            draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, start, end, vocab, t,
-            hist_ptr + slot * NUM_BINS, filtered, BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE)
-    which = tl.arange(0, 4)
-    partial = tl.where(which == 0, top.to(tl.int32, bitcast=True),
-                       tl.where(which == 1, total.to(tl.int32, bitcast=True),
-                                tl.where(which == 2, argmax, top_bin.to(tl.int32, bitcast=True))))
-    tl.store(partial_ptr + slot * 4 + which, partial)
-    tl.debug_barrier()  # every thread's partial and histogram are stored before the ticket publishes them
-    if take_ticket_tl(ticket_ptr + g) == num_chunks - 1:
+        _span_stats_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, g, c_first, c_last, num_chunks,
+                       chunk_len, vocab, t, partial_ptr, hist_ptr, filtered, CHUNK_IS_BLOCK, BLOCK_V, NUM_STAGES,
+                       NUM_BINS, BIN_SCALE)
+    tl.debug_barrier()  # every thread's partials and histograms are stored before the ticket publishes them
+    if take_ticket_tl(ticket_ptr + g) == num_programs - 1:
         reset_ticket_tl(ticket_ptr + g)
         chunk = tl.arange(0, BLOCK_C)
         in_row = chunk < num_chunks
@@ -304,10 +360,10 @@ def _stats_kernel(
         if FUSED_FILTER:
             tl.debug_barrier()  # the statistics are stored before the filter pass reads them
             min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
-            _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, 0, 1, 0, vocab, temperature, top_k, top_p, min_e,
-                           stats_ptr, candidates_ptr, kept_mass_ptr, workspace_ptr, k, vocab, t_stride_b,
-                           t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP,
-                           BLOCK_C)
+            _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, 1, 0, num_chunks, num_chunks, chunk_len, vocab,
+                           temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, kept_mass_ptr, workspace_ptr,
+                           k, t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK,
+                           NUM_PROBES, CAP, SMALL_CAP, BLOCK_C)
 
 @triton.jit
 def _gather_chunk_tl(row_ptr, start, end, t, lo, candidates_ptr, slot_ptr, CAP: tl.constexpr,
@@ -363,11 +419,28 @@ def _search_fallback_tl(row_ptr, vocab, t, m, mass_all, k_on, top_k, p_on, top_p
     return tau32, tl.sum(kept_mass, axis=0)
 
 @triton.jit
-def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, c, num_chunks, start, end, temperature, top_k, top_p,
-                   min_e, stats_ptr, candidates_ptr, partial_ptr, workspace_ptr, k, vocab, t_stride_b, t_stride_i,
-                   d_stride_b, d_stride_i, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Chunk [start, end) of row g's filter pass (one of num_chunks programs; see `_filter_kernel`)."""
+def _span_filter_tl(row_ptr, c_first, c_last, chunk_len, vocab, t, m, lo, min_e, searched, candidates, slot_ptr,
+                    kept_mass_ptr, CAP: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """The filter pass over chunks c_first .. c_last - 1 of one row: with top-k or top-p on, their entries with key
+    >= lo appended to the candidates (in any order: the finish sorts them); else (min-p alone) each chunk's kept
+    mass into kept_mass_ptr [c], a sum over that chunk alone."""
+    if searched:
+        _gather_chunk_tl(row_ptr, c_first * chunk_len, tl.minimum(c_last * chunk_len, vocab), t, lo, candidates,
+                         slot_ptr, CAP, BLOCK_V, NUM_STAGES)
+    else:
+        for c in range(c_first, c_last):
+            start = c * chunk_len
+            tl.store(kept_mass_ptr + c, _chunk_kept_mass_tl(row_ptr, start, tl.minimum(start + chunk_len, vocab), t,
+                                                            m, min_e, BLOCK_V, NUM_STAGES))
+
+
+@triton.jit
+def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, num_programs, c_first, c_last, num_chunks, chunk_len,
+                   vocab, temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, partial_ptr, workspace_ptr, k,
+                   t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr,
+                   SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Chunks c_first .. c_last - 1 of row g's filter pass (one of num_programs programs; see `_filter_kernel`)."""
     k_on = (top_k > 0) & (top_k < vocab)
     p_on = top_p < 1.0
     searched = k_on | p_on
@@ -377,28 +450,28 @@ def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, c, num_chunks, start, 
         lo = tl.load(stats_ptr + g * 4 + 1)
         candidates = candidates_ptr + g * CAP
         slot_ptr = workspace_ptr + 2 * g
-        kept_mass = tl.zeros([], tl.float32)
         if r <= k:
-            row_ptr = target_ptr + b * t_stride_b + r * t_stride_i
-            if searched:
-                _gather_chunk_tl(row_ptr, start, end, t, lo, candidates, slot_ptr, CAP, BLOCK_V, NUM_STAGES)
-            else:
-                kept_mass = _chunk_kept_mass_tl(row_ptr, start, end, t, m, min_e, BLOCK_V, NUM_STAGES)
+            _span_filter_tl(target_ptr + b * t_stride_b + r * t_stride_i, c_first, c_last, chunk_len, vocab, t, m,
+                            lo, min_e, searched, candidates, slot_ptr, partial_ptr + g * num_chunks, CAP, BLOCK_V,
+                            NUM_STAGES)
         else:
-            row_ptr = draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i
-            if searched:
-                _gather_chunk_tl(row_ptr, start, end, t, lo, candidates, slot_ptr, CAP, BLOCK_V, NUM_STAGES)
-            else:
-                kept_mass = _chunk_kept_mass_tl(row_ptr, start, end, t, m, min_e, BLOCK_V, NUM_STAGES)
-        tl.store(partial_ptr + g * num_chunks + c, kept_mass)
-        tl.debug_barrier()  # every thread's candidates and mass are stored before the ticket publishes them
-        if take_ticket_tl(workspace_ptr + 2 * g + 1) == num_chunks - 1:
+            _span_filter_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, c_first, c_last, chunk_len,
+                            vocab, t, m, lo, min_e, searched, candidates, slot_ptr, partial_ptr + g * num_chunks,
+                            CAP, BLOCK_V, NUM_STAGES)
+        tl.debug_barrier()  # every thread's candidates and masses are stored before the ticket publishes them
+        if take_ticket_tl(workspace_ptr + 2 * g + 1) == num_programs - 1:
             reset_ticket_tl(workspace_ptr + 2 * g + 1)
             count = tl.atomic_xchg(slot_ptr, 0, sem="relaxed").to(tl.int32)
             mass_all = tl.load(stats_ptr + g * 4 + 2).to(tl.float32, bitcast=True)
             if searched:
-                tau, mass, enough = _finish_sorted_tl(candidates, tl.minimum(count, CAP), m, k_on, top_k,
-                                                      mass_all, p_on, top_p, min_e, CAP)
+                # The sort's size follows the row's candidate count (a function of the row alone): few candidates,
+                # as top-k over LLM-like rows gives, take the short sort.
+                if count <= SMALL_CAP:
+                    tau, mass, enough = _finish_sorted_tl(candidates, count, m, k_on, top_k, mass_all, p_on, top_p,
+                                                          min_e, SMALL_CAP)
+                else:
+                    tau, mass, enough = _finish_sorted_tl(candidates, tl.minimum(count, CAP), m, k_on, top_k,
+                                                          mass_all, p_on, top_p, min_e, CAP)
                 if (count > CAP) | (~enough):
                     if r <= k:
                         tau, mass = _search_fallback_tl(target_ptr + b * t_stride_b + r * t_stride_i, vocab, t, m,
@@ -420,29 +493,29 @@ def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, c, num_chunks, start, 
 @triton.jit
 def _filter_kernel(
     target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, candidates_ptr,
-    partial_ptr, workspace_ptr, k, vocab, chunk_len, rows_per_request, t_stride_b, t_stride_i, d_stride_b,
-    d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
+    partial_ptr, workspace_ptr, k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request, t_stride_b,
+    t_stride_i, d_stride_b, d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
     HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
-    NUM_PROBES: tl.constexpr, CAP: tl.constexpr, BLOCK_C: tl.constexpr,
+    NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """The thresholds of the filtered rows (rows no filter touches return at once). Every chunk appends its
-    entries at or above the statistics pass's bound to the row's candidates [g, CAP] (with top-k or top-p on), or
-    its kept mass to partial [g, c] (min-p alone); the row's last program sorts the candidates and writes the
-    exact tau and S into stats [g]. A row with more than CAP candidates, or whose candidates do not hold the
-    kept set, takes the full threshold search in that program."""
+    """The thresholds of the filtered rows (rows no filter touches return at once). Program p of row g covers
+    chunks p * chunks_per_program .. (p + 1) * chunks_per_program - 1: their entries at or above the statistics
+    pass's bound go to the row's candidates [g, CAP] (with top-k or top-p on), or each chunk's kept mass to partial
+    [g, c] (min-p alone); the row's last program sorts the candidates and writes the exact tau and S into stats
+    [g]. A row with more than CAP candidates, or whose candidates do not hold the kept set, takes the full
+    threshold search in that program."""
     g = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    num_chunks = tl.num_programs(1)
+    c_first = tl.program_id(1) * chunks_per_program
     b = g // rows_per_request
     r = g % rows_per_request
     temperature = tl.load(temperature_ptr + b * temperature_stride)
     top_k = tl.load(top_k_ptr + b * top_k_stride).to(tl.int64)
     top_p = tl.load(top_p_ptr + b * top_p_stride)
     min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
-    start = c * chunk_len
-    _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, c, num_chunks, start, tl.minimum(start + chunk_len, vocab),
-                   temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, partial_ptr, workspace_ptr, k, vocab,
-                   t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP,
+    _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, tl.num_programs(1), c_first,
+                   tl.minimum(c_first + chunks_per_program, num_chunks), num_chunks, chunk_len, vocab, temperature,
+                   top_k, top_p, min_e, stats_ptr, candidates_ptr, partial_ptr, workspace_ptr, k, t_stride_b,
+                   t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP,
                    BLOCK_C)
 
 @triton.jit
@@ -825,12 +898,27 @@ def _statistics_plan(vocab, device, block_v=None, num_chunks=None):
     device alone. A row's S and its filter path come from its chunks' partials, combined in chunk order, so a
     chunking that followed the batch size would make a row's results depend on the batch it is in."""
     geometry = LOGITS_SAMPLING
-    block_v = block_v or min(geometry["block_v"], max(16, triton.next_power_of_2(vocab)))
+    on_gpu = device.type == "cuda"
+    block_v = block_v or min(geometry["stats_block_v"] if on_gpu else geometry["block_v"],
+                             max(16, triton.next_power_of_2(vocab)))
     if num_chunks is None:
-        length = geometry["stats_chunk"] if device.type == "cuda" else geometry["interpreter_stats_chunk"]
+        length = geometry["stats_chunk"] if on_gpu else geometry["interpreter_stats_chunk"]
         num_chunks = triton.cdiv(vocab, max(length, block_v))
     chunk_len = triton.cdiv(triton.cdiv(vocab, num_chunks), block_v) * block_v
     return block_v, chunk_len, triton.cdiv(vocab, chunk_len)
+
+
+def _statistics_grid(rows, num_chunks, device, chunks_per_program=None):
+    """(chunks_per_program, programs per row) of the statistics and filter passes: consecutive chunks per program,
+    as many as leave about stats_programs_per_sm programs per SM. Only the work per program follows the batch;
+    every chunk's partial is still computed from that chunk alone and combined in chunk order."""
+    if chunks_per_program is None:
+        geometry = LOGITS_SAMPLING
+        sms = sm_count(device) if device.type == "cuda" else geometry["interpreter_sms"]
+        programs = max(1, min(num_chunks, triton.cdiv(geometry["stats_programs_per_sm"] * sms, rows)))
+        chunks_per_program = triton.cdiv(num_chunks, programs)
+    chunks_per_program = max(1, min(chunks_per_program, num_chunks))
+    return chunks_per_program, triton.cdiv(num_chunks, chunks_per_program)
 
 
 def _gather_cap(device, gather_cap):
@@ -839,15 +927,17 @@ def _gather_cap(device, gather_cap):
 
 
 def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_k, top_p, min_p, block_v,
-                    num_chunks, gather_cap, fused_filter=None):
+                    num_chunks, gather_cap, fused_filter=None, chunks_per_program=None):
     """stats int32 [rows, 4] = (m, tau, S, argmax) of every logit row: target [B, R, V] rows r <= k, then the draft
-    logits [B, k, V] (or None) as rows k+1 .. 2k. The statistics pass, then the filter pass (a launch of its own, or
-    with fused_filter, default LOGITS_SAMPLING["fused_filter"], run by each row's last statistics program)."""
+    logits [B, k, V] (or None) as rows k+1 .. 2k. The statistics pass, then the filter pass: a launch of its own, or
+    run by each row's last statistics program (fused_filter True; by default, LOGITS_SAMPLING["fused_filter"]: 2
+    fuses when one program covers a row)."""
     geometry = LOGITS_SAMPLING
     batch, _, vocab = target.shape
     device = target.device
     rows = batch * rows_per_request
     block_v, chunk_len, num_chunks = _statistics_plan(vocab, device, block_v, num_chunks)
+    chunks_per_program, programs = _statistics_grid(rows, num_chunks, device, chunks_per_program)
     cap = _gather_cap(device, gather_cap)
     has_logits = draft_logits is not None
     draft = draft_logits if has_logits else target
@@ -861,30 +951,32 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     # between calls.
     workspace = zeroed_scratch(device, 3 * rows)
     block_c = triton.next_power_of_2(num_chunks)
-    fused = bool(geometry["fused_filter"]) if fused_filter is None else fused_filter
+    if fused_filter is None:
+        fused_filter = geometry["fused_filter"] == 1 or (geometry["fused_filter"] == 2 and programs == 1)
     params = (temperature, top_k, top_p, min_p)
     param_strides = (temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0))
-    search = dict(SEARCH_BLOCK=min(geometry["search_block"], block_v), NUM_PROBES=geometry["num_probes"], CAP=cap)
-    _stats_kernel[(rows, num_chunks)](
-        target, draft, *params, stats, partial, hist, workspace[2 * rows:], candidates, kept_mass, workspace,
-        k, vocab, chunk_len, rows_per_request, *strides, *param_strides,
-        HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"],
-        NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"], BLOCK_C=block_c, FUSED_FILTER=fused,
-        **search, num_warps=geometry["num_warps"],
+    search = dict(SEARCH_BLOCK=min(geometry["search_block"], block_v), NUM_PROBES=geometry["num_probes"], CAP=cap,
+                  SMALL_CAP=max(1, min(cap, geometry["small_cap"] if device.type == "cuda" else cap // 4)))
+    grid = (rows, programs)
+    common = (k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request, *strides, *param_strides)
+    _stats_kernel[grid](
+        target, draft, *params, stats, partial, hist, workspace[2 * rows:], candidates, kept_mass, workspace, *common,
+        HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v, BLOCK_V=block_v,
+        NUM_STAGES=geometry["num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
+        BLOCK_C=block_c, FUSED_FILTER=bool(fused_filter), **search, num_warps=geometry["stats_num_warps"],
     )
-    if not fused:
-        _filter_kernel[(rows, num_chunks)](
-            target, draft, *params, stats, candidates, kept_mass, workspace,
-            k, vocab, chunk_len, rows_per_request, *strides, *param_strides,
+    if not fused_filter:
+        _filter_kernel[grid](
+            target, draft, *params, stats, candidates, kept_mass, workspace, *common,
             HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"], BLOCK_C=block_c,
-            **search, num_warps=geometry["num_warps"],
+            **search, num_warps=geometry["stats_num_warps"],
         )
     return stats
 
 
 def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits, temperature, top_k, top_p, min_p,
                       seeds, offsets, block_verification, counters, with_logprobs, block_v=None, gather_cap=None,
-                      num_chunks=None, fused_filter=None):
+                      num_chunks=None, fused_filter=None, chunks_per_program=None):
     batch, k = draft_token_ids.shape
     vocab = target_logits.shape[2]
     device = target_logits.device
@@ -897,7 +989,7 @@ def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits,
     has_probs = draft_probs is not None
     num_rows = k + 1 + (k if has_logits else 0)
     stats = _row_statistics(target_logits, draft_logits, k, num_rows, temperature, top_k, top_p, min_p, block_v,
-                            num_chunks, gather_cap, fused_filter)
+                            num_chunks, gather_cap, fused_filter, chunks_per_program)
     q = draft_probs if has_probs else (draft_logits if has_logits else target_logits)
     q_strides = (q.stride(0), q.stride(1)) if (has_probs or has_logits) else (0, 0)
     common = (k, vocab, num_rows)
@@ -961,7 +1053,7 @@ def _rejection_logprobs_counted_triton(target_logits, draft_token_ids, draft_pro
 
 
 def _launch_draft(logits, temperature, top_k, top_p, min_p, seeds, positions, probs, block_v=None, gather_cap=None,
-                  num_chunks=None, fused_filter=None):
+                  num_chunks=None, fused_filter=None, chunks_per_program=None):
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -969,7 +1061,7 @@ def _launch_draft(logits, temperature, top_k, top_p, min_p, seeds, positions, pr
     geometry = LOGITS_SAMPLING
     with_probs = probs is not None
     stats = _row_statistics(logits[:, None], None, 0, 1, temperature, top_k, top_p, min_p, block_v, num_chunks,
-                            gather_cap, fused_filter)
+                            gather_cap, fused_filter, chunks_per_program)
     block_v, chunk_len, num_chunks = _plan(rows, vocab, logits.device, block_v, num_chunks)
     workspace = zeroed_scratch(logits.device, 2 * rows)  # per row: the packed race maximum and a ticket
     _draft_race_kernel[(rows, num_chunks)](
