@@ -52,7 +52,10 @@ LOGITS_SAMPLING = dict(
     cap=1024,
     search_block=256,
     num_probes=16,
-    fused_filter=0,  # 1: each row's last statistics program runs the filter pass over its row (one launch fewer)
+    fused_filter=0,
+    # Block verification's residual pass: enough programs of whole fixed chunks to keep about this many per SM in
+    # flight (each streams its chunks; several loads in flight per SM cover the memory latency).
+    residual_programs_per_sm=8,  # 1: each row's last statistics program runs the filter pass over its row (one launch fewer)
     interpreter_sms=4,  # the SM count assumed without CUDA (TRITON_INTERPRET)
 )
 

@@ -925,10 +925,10 @@ def _block_stop(target_logits, draft_token_ids, q, q_strides, temperature, min_p
     device = target_logits.device
     block_v, chunk_len, num_chunks = _statistics_plan(vocab, device, block_v, num_chunks)
     residual_rows = max(k - 1, 1)
-    # Several chunks per program once the chunks alone would give more than programs_per_sm per SM: a program
-    # of one short chunk is mostly its fixed cost. Partials stay per chunk, so tau does not depend on this.
+    # Several chunks per program once the chunks alone would give more than residual_programs_per_sm per SM: a
+    # program of one short chunk is mostly its fixed cost. Partials stay per chunk, so tau does not depend on this.
     sms = sm_count(device) if device.type == "cuda" else geometry["interpreter_sms"]
-    wanted = geometry["programs_per_sm"] * sms
+    wanted = geometry["residual_programs_per_sm"] * sms
     chunks_per_program = max(1, min(num_chunks, (batch * residual_rows * num_chunks) // max(wanted, 1)))
     programs = triton.cdiv(num_chunks, chunks_per_program)
     stop = torch.empty((batch,), dtype=torch.int32, device=device)
