@@ -25,7 +25,7 @@ POINTERS = {"target_ptr": "*bf16", "draft_logits_ptr": "*bf16", "logits_ptr": "*
             "stats_ptr": "*i32", "partial_ptr": "*i32", "hist_ptr": "*i32", "workspace_ptr": "*i64",
             "candidates_ptr": "*fp32", "draft_ptr": "*i64", "seed_ptr": "*i64", "offset_ptr": "*i64",
             "position_ptr": "*i64", "out_ptr": "*i64", "logprobs_ptr": "*fp32", "counters_ptr": "*i64",
-            "probs_ptr": "*fp32"}
+            "probs_ptr": "*fp32", "stop_ptr": "*i32"}
 
 
 def compile_variant(fn, constexprs, name, pointers=None) -> bool:
@@ -33,8 +33,8 @@ def compile_variant(fn, constexprs, name, pointers=None) -> bool:
     row_passes = (kernels._stats_kernel, kernels._filter_kernel)
     warps = GEOMETRY["stats_num_warps"] if fn in row_passes else GEOMETRY["num_warps"]
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
-    if fn is kernels._filter_kernel:
-        signature["partial_ptr"] = "*fp32"  # the kept masses of min-p rows
+    if fn in (kernels._filter_kernel, kernels._block_residual_kernel):
+        signature["partial_ptr"] = "*fp32"  # the kept masses of min-p rows; the residual masses
     try:
         binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
                                 options={"num_warps": warps, "num_stages": GEOMETRY["num_stages"]})
@@ -69,12 +69,20 @@ def main() -> int:
     for probs, logits in ((True, False), (False, True), (False, False)):
         flags = {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits, "WITH_LOGPROBS": True, "COUNT": True,
                  "BLOCK_K": 8, "BLOCK_V": GEOMETRY["block_v"], "FAST_LOG": True}
-        ok &= compile_variant(kernels._verify_kernel, {**flags, "BLOCK": True},
-                              f"_verify_kernel(draft_probs={probs}, draft_logits={logits}, block=True)",
-                              {"target_ptr": "*fp32"})
-        ok &= compile_variant(kernels._race_verify_kernel, {**flags, "NUM_STAGES": GEOMETRY["num_stages"]},
-                              f"_race_verify_kernel(draft_probs={probs}, draft_logits={logits})",
-                              {"target_ptr": "*fp32"})
+        # The GPU's chunk is one block (stats_block_v); the several-block loop compiles for draft logits.
+        for chunk_is_block in (True, False) if logits else (True,):
+            ok &= compile_variant(kernels._block_residual_kernel,
+                                  {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits, "CHUNK_IS_BLOCK": chunk_is_block,
+                                   "BLOCK_K": 8, "BLOCK_V": GEOMETRY["stats_block_v"], "BLOCK_C": 16,
+                                   "NUM_STAGES": GEOMETRY["num_stages"]},
+                                  f"_block_residual_kernel(draft_probs={probs}, draft_logits={logits}, "
+                                  f"chunk_is_block={chunk_is_block})",
+                                  {"target_ptr": "*fp32"})
+        for block in (False, True):
+            ok &= compile_variant(kernels._race_verify_kernel,
+                                  {**flags, "BLOCK": block, "NUM_STAGES": GEOMETRY["num_stages"]},
+                                  f"_race_verify_kernel(draft_probs={probs}, draft_logits={logits}, block={block})",
+                                  {"target_ptr": "*fp32"})
     for with_probs in (False, True):
         ok &= compile_variant(kernels._draft_race_kernel, {"WITH_PROBS": with_probs, "BLOCK_V": GEOMETRY["block_v"],
                                                            "NUM_STAGES": GEOMETRY["num_stages"], "FAST_LOG": True},

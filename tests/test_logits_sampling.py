@@ -481,9 +481,12 @@ def test_batch_invariance_and_fresh_draws(kernel):
 def test_triton_row_sums_do_not_depend_on_the_batch():
     """A row's S, so its logprobs and the draft's probabilities, is combined from chunks of a fixed length: bit for
     bit the same alone as in a batch of 8, though the race passes split a small batch into more chunks (V = 300 in
-    blocks of 16: several statistics chunks). A chunking that followed the batch size fails this for some rows."""
-    args = make_case(43, 8, 2, 300, params="off", ties=False)
+    blocks of 16: several statistics chunks). A chunking that followed the batch size fails this for some rows.
+    Block verification's residual masses are per-chunk partials too (in a batch of 8 one program adds several
+    chunks, a request alone one chunk per program)."""
+    args = make_case(43, 8, 3, 300, params="off", ties=False)
     out, logprobs = run_triton(args, False, logprobs=True, block_v=16)
+    out_block, logprobs_block = run_triton(args, True, logprobs=True, block_v=16)
     draft_args = (args[0][:, 0].contiguous(), *args[4:10])
     probs = torch.empty(8, 300)
     draft_triton(draft_args, probs, block_v=16)
@@ -492,6 +495,9 @@ def test_triton_row_sums_do_not_depend_on_the_batch():
         out_one, logprobs_one = run_triton(one, False, logprobs=True, block_v=16)
         assert torch.equal(out_one, out[row:row + 1])
         assert torch.equal(logprobs_one, logprobs[row:row + 1])
+        out_one, logprobs_one = run_triton(one, True, logprobs=True, block_v=16)
+        assert torch.equal(out_one, out_block[row:row + 1])
+        assert torch.equal(logprobs_one, logprobs_block[row:row + 1])
         probs_one = torch.empty(1, 300)
         draft_triton(tuple(a[row:row + 1] for a in draft_args), probs_one, block_v=16)
         assert torch.equal(probs_one, probs[row:row + 1])
@@ -502,7 +508,7 @@ def test_triton_chunks_per_program_do_not_change_results():
     """The statistics and filter passes give a program several consecutive chunks, as many as the batch size calls
     for: each chunk's partial is still its own and the row's last program combines them in chunk order, so logprobs
     (S) and tokens are bit for bit the same for 1, 2 or all chunks per program, with the filter pass fused or not
-    (filtered, min-p and plain rows; V = 150 in 5 chunks of two blocks)."""
+    (filtered, min-p and plain rows; V = 150 in 5 chunks of two blocks), token-wise and block verification."""
     gen = torch.Generator().manual_seed(77)
     args = list(make_case(78, 3, 2, 150, draft="logits"))
     args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
@@ -510,15 +516,16 @@ def test_triton_chunks_per_program_do_not_change_results():
     args[5] = torch.tensor([7, 0, 0])
     args[6] = torch.tensor([0.8, 1.0, 1.0])
     args[7] = torch.tensor([0.0, 0.1, 0.0])
-    check_against_reference(run_triton, tuple(args), False, block_v=16, num_chunks=5, chunks_per_program=1,
-                            fused_filter=False)
-    one_chunk, one_chunk_lp = run_triton(tuple(args), False, logprobs=True, block_v=16, num_chunks=5,
-                                         chunks_per_program=1, fused_filter=False)
-    for chunks_per_program, fused in ((2, False), (5, True), (3, True)):
-        out, lp = run_triton(tuple(args), False, logprobs=True, block_v=16, num_chunks=5,
-                             chunks_per_program=chunks_per_program, fused_filter=fused)
-        assert torch.equal(out, one_chunk)
-        assert torch.equal(lp, one_chunk_lp)
+    for block in (False, True):  # block verification's residual pass takes the same grid
+        check_against_reference(run_triton, tuple(args), block, block_v=16, num_chunks=5, chunks_per_program=1,
+                                fused_filter=False)
+        one_chunk, one_chunk_lp = run_triton(tuple(args), block, logprobs=True, block_v=16, num_chunks=5,
+                                             chunks_per_program=1, fused_filter=False)
+        for chunks_per_program, fused in ((2, False), (5, True), (3, True)):
+            out, lp = run_triton(tuple(args), block, logprobs=True, block_v=16, num_chunks=5,
+                                 chunks_per_program=chunks_per_program, fused_filter=fused)
+            assert torch.equal(out, one_chunk)
+            assert torch.equal(lp, one_chunk_lp)
 
 
 @pytest.mark.parametrize("params", ["off", "filters"])
@@ -913,4 +920,4 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(": ok (") == 15, result.stdout
+    assert result.stdout.count(": ok (") == 19, result.stdout

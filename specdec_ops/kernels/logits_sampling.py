@@ -37,8 +37,10 @@ memset; graph-capturable, no host sync).
    (p(x), q(x) from the statistics and one logit each), races its chunk of the rejected/bonus row j with the
    segmented race of specdec_ops/ops/sampling.py and folds its winner (key bits, V-1-token) into the request's
    int64 atomic max; the last program writes the output row, the logprobs and the counters (and redraws from p_j
-   when the residual has no positive key, a slow path). Block verification keeps one program per request
-   (`_verify_kernel`): its residual masses need whole rows in order.
+   when the residual has no positive key, a slow path). Block verification first runs `_block_residual_kernel`
+   over (B, k - 1 residual rows, programs of several fixed-length chunks): the residual masses R_i as per-chunk
+   partials, and the request's last program decides the stop point tau; then the same race kernel draws the token
+   at tau from max(w_tau * p - q, 0).
    sample_draft_filtered: passes 1 and 2 over its rows, then `_draft_race_kernel` over (rows, chunks): the Gumbel
    race of each chunk's kept entries (and their probabilities) into the row's atomic max.
 
@@ -650,124 +652,127 @@ def _draw_from_p_tl(p_race, vocab, t, jm, jtau, jmass, min_e, state, BLOCK_V: tl
     return token.to(tl.int64)
 
 @triton.jit
-def _verify_kernel(
+def _block_weights_tl(i, k, p_x, q_x, valid, BLOCK_K: tl.constexpr):
+    """Block verification's weights w_0..w_k, a [BLOCK_K] vector over the positions (w_0 = 1; see the contract)."""
+    weights = tl.full([BLOCK_K], 1.0, tl.float32)
+    w = tl.full([], 1.0, tl.float32)
+    for s in range(1, k + 1):
+        px = _pick_tl(p_x, i, s - 1)
+        qx = _pick_tl(q_x, i, s - 1)
+        vx = _pick_tl(valid.to(tl.int32), i, s - 1)
+        scaled = w * px
+        # The divisor only matters where qx > scaled >= 0; qx <= 0 is never divided by (NaN stays NaN).
+        ratio = tl.where(qx <= scaled, 1.0, scaled / tl.where(qx <= 0, 1.0, qx))
+        # A weight that reached 0 stays 0 (qx == 0 would otherwise compare 0 <= 0 and revive it).
+        w = tl.where((w == 0) | (px == 0) | (vx == 0), 0.0, ratio)
+        weights = tl.where(i == s, w, weights)
+    return weights
+
+@triton.jit
+def _residual_block_tl(p_base, q_base, v, mask, w, t, m, tau, mass, qm, qtau, qmass, draft_j, min_e,
+                       HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr):
+    """max(w * p - q, 0) at entries v of a residual row (0 where mask is off)."""
+    x = tl.load(p_base + v, mask=mask, other=float("-inf")).to(tl.float32)
+    p = tl.where(mask, _prob_tl(x, t, m, tau, mass, min_e), 0.0)
+    q = _q_block_tl(q_base, v, mask, draft_j, t, qm, qtau, qmass, min_e, HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS)
+    return tl.maximum(w * p - q, 0.0)
+
+@triton.jit
+def _block_residual_kernel(
     target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr, stats_ptr,
-    out_ptr, logprobs_ptr, counters_ptr,
-    k, vocab, num_rows,
+    partial_ptr,  # [B, k, num_chunks] float32: chunk c's share of R_row at [b, row, c] (rows 1..k-1)
+    stop_ptr,  # [B] int32 out: the column j of each request's emitted token (tau; greedy: the first mismatch)
+    workspace_ptr,  # [B] int64 zeroed scratch: the request's ticket
+    k, vocab, num_rows, chunk_len, num_chunks, chunks_per_program,
     t_stride_b, t_stride_i, draft_stride_b, q_stride_b, q_stride_i,
     temperature_stride, min_p_stride, seed_stride, offset_stride,
-    HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr,
-    WITH_LOGPROBS: tl.constexpr, COUNT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    FAST_LOG: tl.constexpr,
+    HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr, CHUNK_IS_BLOCK: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
+    """Block verification of request b, first launch: program (b, row - 1, p) sums max(w_row * p_row - q_row, 0)
+    over chunks [p * chunks_per_program, ...) of residual row `row` (1..k-1), one partial per fixed-length chunk;
+    the request's last program (ticket) adds each row's partials and writes the stop point tau into stop [b].
+    The chunks have a length from V and the device alone, so R and tau do not depend on the batch."""
     b = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(1) + 1
+    part = tl.program_id(2)
+    num_programs = tl.num_programs(1) * tl.num_programs(2)
     (greedy, t, min_e, seed, offset, i, in_k, m, tau, mass, argmax, draft, valid, qm, qtau, qmass, p_x, q_x, u,
      matches) = _accept_tests_tl(b, target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr,
                                  stats_ptr, k, vocab, num_rows, t_stride_b, t_stride_i, draft_stride_b, q_stride_b,
                                  q_stride_i, temperature_stride, min_p_stride, seed_stride, offset_stride,
                                  HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS, BLOCK_K)
+    weights = _block_weights_tl(i, k, p_x, q_x, valid, BLOCK_K)
     t_row = target_ptr + b * t_stride_b
     q_row = q_ptr + b * q_stride_b
-    first_mismatch = tl.min(tl.where(in_k & ~matches, i, k), axis=0)
-
-    weights = tl.full([BLOCK_K], 1.0, tl.float32)
-    if BLOCK:
-        w = tl.full([], 1.0, tl.float32)
-        for s in range(1, k + 1):
-            px = _pick_tl(p_x, i, s - 1)
-            qx = _pick_tl(q_x, i, s - 1)
-            vx = _pick_tl(valid.to(tl.int32), i, s - 1)
-            scaled = w * px
-            # The divisor only matters where qx > scaled >= 0; qx <= 0 is never divided by (NaN stays NaN).
-            ratio = tl.where(qx <= scaled, 1.0, scaled / tl.where(qx <= 0, 1.0, qx))
-            # A weight that reached 0 stays 0 (qx == 0 would otherwise compare 0 <= 0 and revive it).
-            w = tl.where((w == 0) | (px == 0) | (vx == 0), 0.0, ratio)
-            weights = tl.where(i == s, w, weights)
-        u_last = _pick_tl(u, i, k - 1)
-        stop = tl.where(u_last < w, k, 0)
-        if ~greedy:
-            for s in range(1, k):
-                row = (k - s).to(tl.int64)
-                w_row = _pick_tl(weights, i, row)
-                if (stop == 0) & (w_row > 0):  # no stop where the weight is 0 (or NaN)
-                    rm = _pick_tl(m, i, row)
-                    rtau = _pick_tl(tau, i, row)
-                    rmass = _pick_tl(mass, i, row)
-                    if HAS_DRAFT_LOGITS:
-                        rqm = _pick_tl(qm, i, row)
-                        rqtau = _pick_tl(qtau, i, row)
-                        rqmass = _pick_tl(qmass, i, row)
-                    else:
-                        rqm = rm
-                        rqtau = rtau
-                        rqmass = rmass
-                    draft_row = _pick_tl(draft, i, row)
-                    residual = tl.zeros([BLOCK_V], tl.float32)
-                    for v0 in range(0, vocab, BLOCK_V):
-                        v = v0 + tl.arange(0, BLOCK_V)
-                        in_row = v < vocab
-                        x = tl.load(t_row + row * t_stride_i + v, mask=in_row, other=float("-inf"))
-                        p = tl.where(in_row, _prob_tl(x.to(tl.float32), t, rm, rtau, rmass, min_e), 0.0)
-                        q = _q_block_tl(q_row + row * q_stride_i, v, in_row, draft_row, t, rqm, rqtau, rqmass,
-                                        min_e, HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS)
-                        residual += tl.maximum(w_row * p - q, 0.0)
-                    r_mass = tl.sum(residual, axis=0)
-                    u_row = _pick_tl(u, i, row - 1)
-                    if u_row * (r_mass + (1.0 - w_row)) < r_mass:
-                        stop = row.to(tl.int32)
-        j = tl.where(greedy, first_mismatch, stop)
-        accepted = i < j
-        num_accepted = j.to(tl.int64)
-    else:
-        accepted = tl.where(greedy, matches, valid & (u * q_x < p_x))
-        j = tl.min(tl.where(in_k & ~accepted, i, k), axis=0)
-        num_accepted = tl.sum(accepted.to(tl.int64), axis=0)
-
-    token = _pick_tl(argmax, i, j).to(tl.int64)
-    if ~greedy:
-        # Race at row j (residual, or the bonus at k with q = 0) over max(w_j * p - q, 0).
-        w_j = _pick_tl(weights, i, j)
-        (jm, jtau, jmass, jqm, jqtau, jqmass, draft_j, state, p_race, q_race) = _race_row_tl(
-            i, j, k, m, tau, mass, qm, qtau, qmass, draft, valid, seed, offset, t_row, q_row, t_stride_i, q_stride_i)
-        best_total, best_exp, best_segment, best_weights = _segment_race_start_tl(BLOCK_V)
-        for v0 in range(0, vocab, BLOCK_V):
-            segment, v = _segment_block_tl(tl.multiple_of(v0, BLOCK_V), BLOCK_V)
-            in_row = v < vocab
-            x = tl.load(p_race + v, mask=in_row, other=float("-inf")).to(tl.float32)
-            p = tl.where(in_row, _prob_tl(x, t, jm, jtau, jmass, min_e), 0.0)
-            q = _q_block_tl(q_race, v, in_row & (v * 0 + j < k), draft_j, t, jqm, jqtau, jqmass, min_e,
-                            HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS)
-            best_total, best_exp, best_segment, best_weights = _segment_race_tl(
-                tl.maximum(w_j * p - q, 0.0), segment, state, best_total, best_exp, best_segment, best_weights,
-                FAST_LOG)
-        best_key = best_total / best_exp
-        top = tl.max(best_key, axis=0)
-        if top > 0:
-            race_token = _segment_pick_tl(best_weights, best_segment, state)
-            token = tl.min(tl.where(best_key == top, race_token, vocab), axis=0).to(tl.int64)
+    if (~greedy) & (row < k):
+        w_row = _pick_tl(weights, i, row)
+        rm = _pick_tl(m, i, row)
+        rtau = _pick_tl(tau, i, row)
+        rmass = _pick_tl(mass, i, row)
+        rqm = _pick_tl(qm, i, row)
+        rqtau = _pick_tl(qtau, i, row)
+        rqmass = _pick_tl(qmass, i, row)
+        draft_row = tl.max(tl.where((i == row) & valid, draft, -1), axis=0)
+        p_base = t_row + row.to(tl.int64) * t_stride_i
+        q_base = q_row + row.to(tl.int64) * q_stride_i
+        first = part * chunks_per_program
+        last = tl.minimum(first + chunks_per_program, num_chunks)
+        partial_row = partial_ptr + (b * k + row) * num_chunks
+        if CHUNK_IS_BLOCK:
+            # One block per chunk: the chunk loop itself is pipelined (the next chunks' loads in flight).
+            for c in tl.range(first, last, num_stages=NUM_STAGES):
+                start = c * chunk_len
+                v = start + tl.arange(0, BLOCK_V)
+                residual = _residual_block_tl(p_base, q_base, v, v < tl.minimum(start + chunk_len, vocab), w_row, t,
+                                              rm, rtau, rmass, rqm, rqtau, rqmass, draft_row, min_e,
+                                              HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS)
+                tl.store(partial_row + c, tl.sum(residual, axis=0))
         else:
-            # No positive residual key: draw from p_j itself, same random numbers.
-            token = _draw_from_p_tl(p_race, vocab, t, jm, jtau, jmass, min_e, state, BLOCK_V, FAST_LOG)
-        token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # non-finite rows: stay in [0, V)
-
-    _store_round_tl(out_ptr, logprobs_ptr, counters_ptr, b, i, k, j, draft, token, num_accepted, t_row, t_stride_i,
-                    vocab, greedy, t, m, tau, mass, min_e, WITH_LOGPROBS, COUNT)
+            for c in range(first, last):
+                start = c * chunk_len
+                end = tl.minimum(start + chunk_len, vocab)
+                residual = tl.zeros([BLOCK_V], tl.float32)
+                for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
+                    v = v0 + tl.arange(0, BLOCK_V)
+                    residual += _residual_block_tl(p_base, q_base, v, v < end, w_row, t, rm, rtau, rmass, rqm, rqtau,
+                                                   rqmass, draft_row, min_e, HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS)
+                tl.store(partial_row + c, tl.sum(residual, axis=0))
+    tl.debug_barrier()  # every thread's partials are stored before the ticket publishes them
+    if take_ticket_tl(workspace_ptr + b) == num_programs - 1:
+        reset_ticket_tl(workspace_ptr + b)
+        # tau: the largest position that may stop (k iff u_{k-1} < w_k; row < k iff w_row > 0 and
+        # u_{row-1} * (R_row + 1 - w_row) < R_row), 0 if none.
+        stop = tl.where(_pick_tl(u, i, k - 1) < _pick_tl(weights, i, k), k, 0)
+        chunk = tl.arange(0, BLOCK_C)
+        for s in range(1, k):
+            check = (k - s).to(tl.int64)
+            w_check = _pick_tl(weights, i, check)
+            if (stop == 0) & (w_check > 0) & ~greedy:
+                r_mass = tl.sum(tl.load(partial_ptr + (b * k + check) * num_chunks + chunk, mask=chunk < num_chunks,
+                                        other=0.0, cache_modifier=".cg"), axis=0)
+                if _pick_tl(u, i, check - 1) * (r_mass + (1.0 - w_check)) < r_mass:
+                    stop = check.to(tl.int32)
+        first_mismatch = tl.min(tl.where(in_k & ~matches, i, k), axis=0)
+        tl.store(stop_ptr + b, tl.where(greedy, first_mismatch, stop).to(tl.int32))
 
 @triton.jit
 def _race_verify_kernel(
     target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr, stats_ptr,
     out_ptr, logprobs_ptr, counters_ptr, workspace_ptr,
+    stop_ptr,  # [B] int32: block verification's column j per request (BLOCK only)
     k, vocab, num_rows, chunk_len,
     t_stride_b, t_stride_i, draft_stride_b, q_stride_b, q_stride_i,
     temperature_stride, min_p_stride, seed_stride, offset_stride,
-    HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr, WITH_LOGPROBS: tl.constexpr,
-    COUNT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
-    FAST_LOG: tl.constexpr,
+    HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr,
+    WITH_LOGPROBS: tl.constexpr, COUNT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    NUM_STAGES: tl.constexpr, FAST_LOG: tl.constexpr,
 ):
-    """Token-wise verification of request b, chunk c: every program evaluates the k accept tests (from the row
-    statistics and one logit each) and races its chunk of the rejected/bonus row j; the winners meet in the
-    request's packed atomic maximum (key bits, V-1-token) and the last program (ticket) writes the output row,
-    the logprobs and the counters."""
+    """Verification of request b, chunk c: every program evaluates the k accept tests (from the row statistics and
+    one logit each), or with BLOCK reads the stop point of `_block_residual_kernel` and the block weight w_j, and
+    races its chunk of the rejected/bonus row j over max(w_j * p_j - q_j, 0) (w_j = 1 token-wise); the winners
+    meet in the request's packed atomic maximum (key bits, V-1-token) and the last program (ticket) writes the
+    output row, the logprobs and the counters."""
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     num_chunks = tl.num_programs(1)
@@ -778,13 +783,19 @@ def _race_verify_kernel(
                                  HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS, BLOCK_K)
     t_row = target_ptr + b * t_stride_b
     q_row = q_ptr + b * q_stride_b
-    accepted = tl.where(greedy, matches, valid & (u * q_x < p_x))
-    j = tl.min(tl.where(in_k & ~accepted, i, k), axis=0)
+    if BLOCK:
+        j = tl.load(stop_ptr + b)
+        w_j = _pick_tl(_block_weights_tl(i, k, p_x, q_x, valid, BLOCK_K), i, j)
+        accepted = i < j
+    else:
+        accepted = tl.where(greedy, matches, valid & (u * q_x < p_x))
+        j = tl.min(tl.where(in_k & ~accepted, i, k), axis=0)
+        w_j = tl.full([], 1.0, tl.float32)
 
     (jm, jtau, jmass, jqm, jqtau, jqmass, draft_j, state, p_race, q_race) = _race_row_tl(
         i, j, k, m, tau, mass, qm, qtau, qmass, draft, valid, seed, offset, t_row, q_row, t_stride_i, q_stride_i)
     if ~greedy:
-        # Race at row j (residual, or the bonus at k with q = 0) over max(p - q, 0), this program's chunk.
+        # Race at row j (residual, or the bonus at k with q = 0) over max(w_j * p - q, 0), this program's chunk.
         best_total, best_exp, best_segment, best_weights = _segment_race_start_tl(BLOCK_V)
         start = c * chunk_len
         end = tl.minimum(start + chunk_len, vocab)
@@ -796,7 +807,7 @@ def _race_verify_kernel(
             q = _q_block_tl(q_race, v, in_chunk & (v * 0 + j < k), draft_j, t, jqm, jqtau, jqmass, min_e,
                             HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS)
             best_total, best_exp, best_segment, best_weights = _segment_race_tl(
-                tl.maximum(p - q, 0.0), segment, state, best_total, best_exp, best_segment, best_weights,
+                tl.maximum(w_j * p - q, 0.0), segment, state, best_total, best_exp, best_segment, best_weights,
                 FAST_LOG)
         best_key = best_total / best_exp
         best_token = tl.where(best_key > 0, _segment_pick_tl(best_weights, best_segment, state), vocab)
@@ -817,7 +828,8 @@ def _race_verify_kernel(
             token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # non-finite rows: stay in [0, V)
         num_accepted = tl.zeros([], tl.int64)
         if COUNT:
-            num_accepted = tl.sum(accepted.to(tl.int64), axis=0)
+            # Block mode counts the accepted prefix tau; token-wise, the accept decisions at all k positions.
+            num_accepted = tl.sum((accepted & in_k).to(tl.int64), axis=0)
         _store_round_tl(out_ptr, logprobs_ptr, counters_ptr, b, i, k, j, draft, token, num_accepted, t_row,
                         t_stride_i, vocab, greedy, t, m, tau, mass, min_e, WITH_LOGPROBS, COUNT)
 
@@ -993,31 +1005,50 @@ def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits,
     q = draft_probs if has_probs else (draft_logits if has_logits else target_logits)
     q_strides = (q.stride(0), q.stride(1)) if (has_probs or has_logits) else (0, 0)
     common = (k, vocab, num_rows)
+    stop = stats  # a placeholder pointer token-wise
     if block_verification:
-        race_block_v = block_v or min(geometry["block_v"], max(16, triton.next_power_of_2(vocab)))
-        _verify_kernel[(batch,)](
-            target_logits, draft_token_ids, q, temperature, min_p, seeds, offsets, stats,
-            out, logprobs if with_logprobs else stats, counters if counters is not None else out, *common,
-            target_logits.stride(0), target_logits.stride(1), draft_token_ids.stride(0), *q_strides,
-            temperature.stride(0), min_p.stride(0), seeds.stride(0), offsets.stride(0),
-            HAS_DRAFT_PROBS=has_probs, HAS_DRAFT_LOGITS=has_logits, BLOCK=True,
-            WITH_LOGPROBS=with_logprobs, COUNT=counters is not None, BLOCK_K=triton.next_power_of_2(k + 1),
-            BLOCK_V=race_block_v, FAST_LOG=out.is_cuda, num_warps=geometry["num_warps"],
-        )
-        return out, logprobs
+        stop = _block_stop(target_logits, draft_token_ids, q, q_strides, temperature, min_p, seeds, offsets, stats,
+                           k, num_rows, has_probs, has_logits, block_v, num_chunks, chunks_per_program)
     race_block_v, chunk_len, race_chunks = _plan(batch, vocab, device, block_v, num_chunks)
     workspace = zeroed_scratch(device, 2 * batch)  # per request: the packed race maximum and a ticket
     _race_verify_kernel[(batch, race_chunks)](
         target_logits, draft_token_ids, q, temperature, min_p, seeds, offsets, stats,
-        out, logprobs if with_logprobs else stats, counters if counters is not None else out, workspace,
+        out, logprobs if with_logprobs else stats, counters if counters is not None else out, workspace, stop,
         *common, chunk_len,
         target_logits.stride(0), target_logits.stride(1), draft_token_ids.stride(0), *q_strides,
         temperature.stride(0), min_p.stride(0), seeds.stride(0), offsets.stride(0),
-        HAS_DRAFT_PROBS=has_probs, HAS_DRAFT_LOGITS=has_logits, WITH_LOGPROBS=with_logprobs,
-        COUNT=counters is not None, BLOCK_K=triton.next_power_of_2(k + 1), BLOCK_V=race_block_v,
-        NUM_STAGES=geometry["num_stages"], FAST_LOG=out.is_cuda, num_warps=geometry["num_warps"],
+        HAS_DRAFT_PROBS=has_probs, HAS_DRAFT_LOGITS=has_logits, BLOCK=block_verification,
+        WITH_LOGPROBS=with_logprobs, COUNT=counters is not None, BLOCK_K=triton.next_power_of_2(k + 1),
+        BLOCK_V=race_block_v, NUM_STAGES=geometry["num_stages"], FAST_LOG=out.is_cuda,
+        num_warps=geometry["num_warps"],
     )
     return out, logprobs
+
+
+def _block_stop(target_logits, draft_token_ids, q, q_strides, temperature, min_p, seeds, offsets, stats, k, num_rows,
+                has_probs, has_logits, block_v, num_chunks, chunks_per_program=None):
+    """int32 [B]: block verification's column j per request (`_block_residual_kernel` over the k - 1 residual rows,
+    fixed-length chunks; a request of k = 1 has no residual row, and its one program only decides)."""
+    geometry = LOGITS_SAMPLING
+    batch, _, vocab = target_logits.shape
+    device = target_logits.device
+    block_v, chunk_len, num_chunks = _statistics_plan(vocab, device, block_v, num_chunks)
+    residual_rows = max(k - 1, 1)
+    # Programs of several consecutive chunks, as the statistics pass; partials stay per chunk, so tau does not
+    # depend on the grid.
+    chunks_per_program, programs = _statistics_grid(batch * residual_rows, num_chunks, device, chunks_per_program)
+    stop = torch.empty((batch,), dtype=torch.int32, device=device)
+    partial = torch.empty((batch, k, num_chunks), dtype=torch.float32, device=device)
+    _block_residual_kernel[(batch, residual_rows, programs)](
+        target_logits, draft_token_ids, q, temperature, min_p, seeds, offsets, stats, partial, stop,
+        zeroed_scratch(device, batch), k, vocab, num_rows, chunk_len, num_chunks, chunks_per_program,
+        target_logits.stride(0), target_logits.stride(1), draft_token_ids.stride(0), *q_strides,
+        temperature.stride(0), min_p.stride(0), seeds.stride(0), offsets.stride(0),
+        HAS_DRAFT_PROBS=has_probs, HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v,
+        BLOCK_K=triton.next_power_of_2(k + 1), BLOCK_V=block_v, BLOCK_C=triton.next_power_of_2(num_chunks),
+        NUM_STAGES=geometry["num_stages"], num_warps=geometry["stats_num_warps"],
+    )
+    return stop
 
 
 def _rejection_triton(target_logits, draft_token_ids, draft_probs, draft_logits, temperature, top_k, top_p, min_p,
