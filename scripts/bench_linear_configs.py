@@ -28,10 +28,10 @@ PROJECTIONS = {
     "down+residual": (2048, 8192, "residual"),
     "lm_head": (128256, 2048, ""),
 }
-# (block_n, block_k, warps, stages, path): path 0 one row, 1 tl.dot, 2 elementwise over a few rows.
-ONE_ROW_TILINGS = [(2, 1024, 4, 3, 0), (4, 1024, 4, 3, 0), (8, 512, 4, 3, 0)]
-DOT_TILINGS = [(16, 512, 4, 3, 1), (16, 512, 4, 4, 1), (32, 256, 4, 3, 1), (2, 512, 4, 3, 2), (4, 256, 4, 3, 2),
-               (1, 1024, 4, 3, 2)]
+# (block_n, block_k, warps, stages)
+ONE_ROW_TILINGS = [(2, 1024, 4, 3), (4, 1024, 4, 3), (8, 512, 4, 3), (2, 2048, 4, 2), (8, 1024, 8, 3)]
+DOT_TILINGS = [(16, 512, 4, 3), (16, 256, 4, 4), (32, 256, 4, 3), (32, 512, 8, 3), (64, 128, 4, 4),
+               (16, 128, 4, 6), (32, 128, 4, 5)]
 
 
 def graph_us(fn) -> float:
@@ -70,12 +70,12 @@ def sweep_linear(rows_list, names):
         for rows in rows_list:
             x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
             residual = torch.randn(rows, n_out, device=dev, dtype=torch.bfloat16) if "residual" in fusion else None
-            default = launch_config(rows, n_out, k, gated=gated)
+            default = launch_config(rows, n_out, k, gated=gated, norm=norm_w is not None)
             tilings = ONE_ROW_TILINGS if rows == 1 else DOT_TILINGS
             results = []
-            for block_n, block_k, warps, stages, path in tilings:
+            for block_n, block_k, warps, stages in tilings:
                 config = dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
-                              even_k=k % block_k == 0, path=path)
+                              even_k=k % block_k == 0, one_row=rows == 1)
                 try:
                     us = graph_us(lambda i: small_batch_linear_triton(
                         x, weights[i % copies], norm_weight=norm_w, eps=1e-5, residual=residual, gated=gated,
@@ -84,11 +84,11 @@ def sweep_linear(rows_list, names):
                     print(f"  {name:18s} rows {rows:2d} {config} failed: {type(e).__name__}", flush=True)
                     continue
                 mark = " (default)" if all(config[key] == default[key] for key in
-                                           ("block_n", "block_k", "num_warps", "num_stages", "path")) else ""
-                results.append((us, block_n, block_k, warps, stages, path, mark))
+                                           ("block_n", "block_k", "num_warps", "num_stages")) else ""
+                results.append((us, block_n, block_k, warps, stages, mark))
             results.sort()
-            for us, block_n, block_k, warps, stages, path, mark in results:
-                print(f"  {name:18s} rows {rows:2d} path {path} bn {block_n:3d} bk {block_k:4d} w {warps} s {stages}: "
+            for us, block_n, block_k, warps, stages, mark in results:
+                print(f"  {name:18s} rows {rows:2d} bn {block_n:3d} bk {block_k:4d} w {warps} s {stages}: "
                       f"{us:7.2f} us {bytes_w / us / 1e6:5.2f} TB/s{mark}", flush=True)
         del weights
 

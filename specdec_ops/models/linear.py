@@ -1,22 +1,32 @@
 """The model's projections for few tokens: a Triton matrix-vector kernel that streams the weight at close to the
-memory bandwidth, where cuBLAS's kernels for one to sixteen rows fall short on the small matrices of a 1B model.
+memory bandwidth, where cuBLAS's kernels for one to sixteen rows fall short on the small matrices of a 1B model,
+and that takes the neighbouring elementwise work of a decoder layer into its prologue and epilogue.
 
-``out = x @ weight.T`` for x [M, K] and weight [N, K], accumulated in float32 and rounded once to x's dtype.
+``out = x @ weight.T`` for x [M, K] and weight [N, K], accumulated in float32 and rounded once to x's dtype;
+fused (`fused_linear_reference` states the math): the row's RMSNorm before the product, + bias, silu(gate) * up
+(a [gate; up] weight) and + residual after it.
 
 - `small_batch_linear_triton`: the kernel, on any device Triton runs on (CPU through the interpreter). One program
-  owns BLOCK_N output columns and streams their weight rows over K once. With one row (a batch-1 decode step) it
-  multiplies and accumulates elementwise in a [BLOCK_N, BLOCK_K] float32 tile and reduces once at the end (four
-  columns per program: enough programs to fill the GPU even for N = 2048); with 2 to 16 rows it runs one
-  tl.dot of the rows (padded to 16) against each weight tile.
-- `torch.ops.specdec_models.small_batch_linear`: the op models call; a `torch.library.triton_op`, so
-  torch.compile(fullgraph=True) traces into the kernel and CUDA graphs capture it. Off CUDA it is F.linear.
-- `linear`: what the model calls for every projection: the op for 1 to MAX_ROWS rows of a float16/bfloat16
-  CUDA tensor, F.linear otherwise (float32 models keep cuBLAS, whose results the CUDA tests compare exactly).
+  owns BLOCK_N output columns and streams their weight rows over K once (gated: the gate and the up rows of its
+  columns). With one row (a batch-1 decode step) it multiplies and accumulates elementwise in a
+  [BLOCK_N, BLOCK_K] float32 tile and reduces once at the end (two columns per program: enough programs to fill
+  the GPU even for N = 2048); with 2 to 16 rows it runs one tl.dot of the rows (padded to 16) against each
+  weight tile. The norm: each program first sums the squares of its x row(s) (x is small and L2-resident), then
+  normalizes each x tile as it loads it. Prologue and epilogue round where the unfused model stores an
+  intermediate, so the two differ by float32 summation order only. (Applying 1 / rms to the accumulator instead,
+  without the first pass, measured no faster at one row and much slower in the tl.dot path.)
+- `torch.ops.specdec_models.small_batch_linear` and `torch.ops.specdec_models.small_batch_linear_fused`: the ops
+  models call; `torch.library.triton_op`s, so torch.compile(fullgraph=True) traces into the kernel and CUDA
+  graphs capture it. Off CUDA they are F.linear and the unfused math.
+- `linear` and `fused_linear`: what the model calls: the ops for 1 to MAX_ROWS rows of a float16/bfloat16
+  CUDA tensor (`takes_kernel`), F.linear and the unfused math otherwise (float32 models keep cuBLAS, whose
+  results the CUDA tests compare exactly).
 
-On the H200 (torch 2.11, bf16, weights not in L2, 2026-12-01), per projection of the Llama-3.2-1B shape at one
-row: 3072x2048 5.2 us (cuBLAS 6.4), 2048x2048 4.3 (6.1), 16384x2048 17.2 (18.0), 2048x8192 10.5 (14.4, plus
-cuBLAS's split-K reduction kernel), 128256x2048 115 (122); at five rows it equals cuBLAS and saves the split-K
-reduction (scripts/bench_model.py measures the model).
+On the H200 (torch 2.11, bf16, weights not in L2, 2026-12-01), per unfused projection of the Llama-3.2-1B shape
+at one row: 3072x2048 5.2 us (cuBLAS 6.4), 2048x2048 4.3 (6.1), 16384x2048 17.2 (18.0), 2048x8192 10.5 (14.4,
+plus cuBLAS's split-K reduction kernel), 128256x2048 115 (122); at five rows it equals cuBLAS and saves the
+split-K reduction. scripts/bench_linear_configs.py times the fused projections under candidate tilings,
+scripts/bench_model.py the model.
 """
 from __future__ import annotations
 
@@ -39,26 +49,22 @@ def _round_to(v, dtype: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(rows_ptr, kk, K, EVEN_K: tl.constexpr):
-    """Elements kk (a [1, BLOCK_K] or [BLOCK_K] range) of the rows at rows_ptr, zero past K."""
+def _load_x(x_ptrs, kk, row_mask, K, EVEN_K: tl.constexpr):
+    """The x rows of row_mask at columns kk, in float32, zero past K."""
     if EVEN_K:
-        return tl.load(rows_ptr + kk)
-    return tl.load(rows_ptr + kk, mask=kk < K, other=0.0)
+        return tl.load(x_ptrs, mask=row_mask, other=0.0).to(tl.float32)
+    return tl.load(x_ptrs, mask=row_mask & (kk < K), other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _load_rows(rows_ptr, kk, row_mask, K, EVEN_K: tl.constexpr):
-    """As `_load_tile`, reading only the rows of row_mask ([BLOCK_M, 1]), zero elsewhere."""
+def _normalize(x, rstd, norm_w_ptr, kk, K, EVEN_K: tl.constexpr, DTYPE: tl.constexpr):
+    """RMSNorm of an x tile as the model computes it: (x * rstd) rounded to the model dtype, times the norm
+    weight, rounded again."""
     if EVEN_K:
-        return tl.load(rows_ptr + kk, mask=row_mask, other=0.0)
-    return tl.load(rows_ptr + kk, mask=row_mask & (kk < K), other=0.0)
-
-
-@triton.jit
-def _norm_weight(norm_w_ptr, kk, K, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        return tl.load(norm_w_ptr + kk).to(tl.float32)
-    return tl.load(norm_w_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        nw = tl.load(norm_w_ptr + kk).to(tl.float32)
+    else:
+        nw = tl.load(norm_w_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+    return _round_to(_round_to(x * rstd, DTYPE) * nw, DTYPE)
 
 
 @triton.jit
@@ -80,14 +86,9 @@ def _finish(y, y_up, col, col_mask, out_offsets, res_offsets, out_mask, out_ptr,
 def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, bias_ptr, res_ptr,
                                M, N, K, stride_xm, stride_wn, stride_om, stride_rm, up_offset, eps,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               EVEN_K: tl.constexpr, PATH: tl.constexpr, FP32: tl.constexpr,
+                               EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, FP32: tl.constexpr,
                                NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr,
                                RESIDUAL: tl.constexpr):
-    # PATH 0: one row, elementwise products in a [BLOCK_N, BLOCK_K] tile, one reduction at the end.
-    # PATH 1: rows padded to BLOCK_M = 16, one tl.dot per weight tile.
-    # PATH 2: a few rows (BLOCK_M >= M, a power of two), elementwise products in a [BLOCK_M, BLOCK_N, BLOCK_K] tile.
-    # NORM: the row's RMSNorm in one pass: x * norm_weight feeds the products while the sum of squares
-    # accumulates; the statistic scales the accumulator at the end (a row scale commutes with the product).
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -95,97 +96,106 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, bias_ptr, res_
     # GATED: the weight is [gate; up], 2N rows; this program also streams the up rows of its columns.
     up_rows = w_rows + up_offset
     k = tl.arange(0, BLOCK_K)
-    if PATH == 0:
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + k
-            w = _load_tile(w_rows, kk[None, :], K, EVEN_K)
-            x = _load_tile(x_ptr, kk, K, EVEN_K).to(tl.float32)
-            if NORM:
-                squares += x * x
-                x = x * _norm_weight(norm_w_ptr, kk, K, EVEN_K)
-            acc += w.to(tl.float32) * x[None, :]
-            if GATED:
-                acc_up += _load_tile(up_rows, kk[None, :], K, EVEN_K).to(tl.float32) * x[None, :]
-        y = tl.sum(acc, axis=1)
-        y_up = tl.sum(acc_up, axis=1)
+    if ONE_ROW:
+        rstd = 1.0
         if NORM:
+            squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    x = tl.load(x_ptr + k0 + k).to(tl.float32)
+                else:
+                    x = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+                squares += x * x
             # eps arrives as float64 from inductor: the statistic stays float32.
             rstd = tl.rsqrt((tl.sum(squares, axis=0) / K + eps).to(tl.float32))
-            y = y * rstd
-            y_up = y_up * rstd
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + k
+            if EVEN_K:
+                w = tl.load(w_rows + kk[None, :])
+            else:
+                w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+            if EVEN_K:
+                x = tl.load(x_ptr + kk).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            if NORM:
+                x = _normalize(x, rstd, norm_w_ptr, kk, K, EVEN_K, dtype)
+            acc += w.to(tl.float32) * x[None, :]
+            if GATED:
+                if EVEN_K:
+                    w_up = tl.load(up_rows + kk[None, :])
+                else:
+                    w_up = tl.load(up_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                acc_up += w_up.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
+        y_up = tl.sum(acc_up, axis=1)
         _finish(y, y_up, n, n_mask, n, n, n_mask, out_ptr, bias_ptr, res_ptr, dtype, BIAS, GATED, RESIDUAL)
     else:
         m = tl.arange(0, BLOCK_M)
         m_mask = m < M
         x_rows = x_ptr + tl.where(m_mask, m, 0).to(tl.int64)[:, None] * stride_xm
-        squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        if PATH == 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        else:
-            acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-            acc3_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        rstd = tl.full((BLOCK_M, 1), 1.0, dtype=tl.float32)
+        if NORM:
+            squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x = _load_x(x_rows + (k0 + k)[None, :], (k0 + k)[None, :], m_mask[:, None], K, EVEN_K)
+                squares += x * x
+            rstd = tl.rsqrt((tl.sum(squares, axis=1) / K + eps).to(tl.float32))[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + k
-            w = _load_tile(w_rows, kk[None, :], K, EVEN_K)
-            x = _load_rows(x_rows, kk[None, :], m_mask[:, None], K, EVEN_K)
-            if NORM:
-                x = x.to(tl.float32)
-                squares += tl.sum(x * x, axis=1)
-                x = x * _norm_weight(norm_w_ptr, kk, K, EVEN_K)[None, :]
-            if GATED:
-                w_up = _load_tile(up_rows, kk[None, :], K, EVEN_K)
-            if PATH == 1:
-                x = x.to(dtype)
-                if FP32:
-                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-                    if GATED:
-                        acc_up += tl.dot(x, tl.trans(w_up), input_precision="ieee")
-                else:
-                    acc += tl.dot(x, tl.trans(w))
-                    if GATED:
-                        acc_up += tl.dot(x, tl.trans(w_up))
+            if EVEN_K:
+                w = tl.load(w_rows + kk[None, :])
             else:
-                x3 = x.to(tl.float32)[:, None, :]
-                acc3 += w.to(tl.float32)[None, :, :] * x3
-                if GATED:
-                    acc3_up += w_up.to(tl.float32)[None, :, :] * x3
-        if PATH == 2:
-            acc = tl.sum(acc3, axis=2)
-            acc_up = tl.sum(acc3_up, axis=2)
-        if NORM:
-            rstd = tl.rsqrt((squares / K + eps).to(tl.float32))[:, None]
-            acc = acc * rstd
-            acc_up = acc_up * rstd
+                w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+            if NORM:
+                x = _load_x(x_rows + kk[None, :], kk[None, :], m_mask[:, None], K, EVEN_K)
+                x = _normalize(x, rstd, norm_w_ptr, kk[None, :], K, EVEN_K, dtype).to(dtype)
+            elif EVEN_K:
+                x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
+            else:
+                x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
+            if FP32:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+            if GATED:
+                if EVEN_K:
+                    w_up = tl.load(up_rows + kk[None, :])
+                else:
+                    w_up = tl.load(up_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                if FP32:
+                    acc_up += tl.dot(x, tl.trans(w_up), input_precision="ieee")
+                else:
+                    acc_up += tl.dot(x, tl.trans(w_up))
         out_offsets = m.to(tl.int64)[:, None] * stride_om + n[None, :]
         res_offsets = m.to(tl.int64)[:, None] * stride_rm + n[None, :]
         _finish(acc, acc_up, n[None, :], n_mask[None, :], out_offsets, res_offsets,
                 m_mask[:, None] & n_mask[None, :], out_ptr, bias_ptr, res_ptr, dtype, BIAS, GATED, RESIDUAL)
 
 
-def launch_config(rows: int, n: int, k: int, gated: bool = False) -> dict:
+def launch_config(rows: int, n: int, k: int, gated: bool = False, norm: bool = False) -> dict:
     """Tiling of one launch, from shapes only (measured on the H200 for the 1B model's projections, fused as the
-    model runs them; scripts/bench_linear_configs.py). n: output columns; gated: each column streams two weight
-    rows (gate and up). path: 0 one row, 1 tl.dot (rows padded to 16), 2 elementwise over a few rows."""
+    model runs them: scripts/bench_linear_configs.py). n: output columns; gated: each column streams two weight
+    rows (gate and up); norm: the RMSNorm prologue."""
     weight_rows = 2 * n if gated else n
     if rows == 1:
-        # Two columns (four weight rows when gated) per program: more programs in flight measured fastest.
-        block_n, block_k, warps, stages, path = 2, 1024, 4, 3, 0
-    elif gated:
-        block_n, block_k, warps, stages, path = 32, 256, 4, 3, 1
-    elif weight_rows <= 4096 and k >= 4096:
-        # Few programs (one per 16 columns) over a long K: a deeper pipeline keeps more of the weight in flight.
-        block_n, block_k, warps, stages, path = 16, 512, 4, 4, 1
+        # Two columns per program (enough programs to hide the memory latency); gated, eight columns (sixteen
+        # weight rows) over shorter K tiles measured fastest.
+        block_n, block_k, warps, stages = (8, 512, 4, 3) if gated else (2, 1024, 4, 3)
+    elif gated or (norm and weight_rows <= 4096):
+        # The prologue's pass over x is paid per program: fewer, wider programs.
+        block_n, block_k, warps, stages = 32, 256, 4, 3
     elif weight_rows <= 4096:
-        block_n, block_k, warps, stages, path = 16, 512, 4, 3, 1
+        block_n, block_k, warps, stages = 16, 512, 4, 3
     else:
-        block_n, block_k, warps, stages, path = 64, 128, 4, 4, 1
+        block_n, block_k, warps, stages = 64, 128, 4, 4
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     return dict(block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
-                even_k=k % block_k == 0, path=path)
+                even_k=k % block_k == 0, one_row=rows == 1)
 
 
 def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -224,14 +234,14 @@ def small_batch_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, norm_wei
         # Every product is 0: the epilogue alone.
         return fused_linear_reference(x, weight, norm_weight=norm_weight, eps=eps, bias=bias, residual=residual,
                                       gated=gated)
-    config = config or launch_config(rows, n, k, gated=gated)
+    config = config or launch_config(rows, n, k, gated=gated, norm=norm_weight is not None)
     wrap_triton(_small_batch_linear_kernel)[(triton.cdiv(n, config["block_n"]),)](
         x, weight, out, x if norm_weight is None else norm_weight, x if bias is None else bias,
         x if residual is None else residual,
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
         n * weight.stride(0), float(eps),
-        BLOCK_M=16 if config["path"] == 1 else triton.next_power_of_2(rows), BLOCK_N=config["block_n"],
-        BLOCK_K=config["block_k"], EVEN_K=config["even_k"], PATH=config["path"], FP32=x.dtype == torch.float32, NORM=norm_weight is not None,
+        BLOCK_M=16, BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], EVEN_K=config["even_k"],
+        ONE_ROW=config["one_row"], FP32=x.dtype == torch.float32, NORM=norm_weight is not None,
         BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out

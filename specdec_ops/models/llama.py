@@ -8,6 +8,12 @@ projection runs through `linear.linear` (a Triton kernel for 1 to 16 rows of a h
 F.linear otherwise). Embeddings are tied or untied. Weights are
 random and seeded (`LlamaModel(config, seed=...)`) or loaded (`loading.load_model`).
 
+For 1 to 16 tokens of a float16/bfloat16 CUDA model (decode and verify steps) a decoder layer runs fused: four
+projection kernels (RMSNorm in the prologue of q/k/v and of gate/up, silu(gate) * up and the residual adds in
+the epilogues, `linear.fused_linear`) and one kernel for the rotary embedding of q and k and the cache write
+of k and v (`attention.rope_write_kv`), in place of about a dozen kernels. Everything else runs the plain code
+below, which is also the statement of what the fused path computes.
+
 It follows the model interface of specdec_ops/models/interface.py: ``vocab_size``, ``kv_cache_spec()``,
 ``forward(input_ids, positions, attn_metadata)`` and ``compute_logits(hidden)``.
 
@@ -229,13 +235,13 @@ class DecoderLayer(nn.Module):
         # The same math in four projection kernels (norms in the prologues of q/k/v and gate/up, silu(gate) * up
         # and the residual adds in the epilogues) and one rotary + cache-write kernel.
         attn = self.attn
-        qkv = _linear.fused_linear(x, attn.qkv_proj.weight, norm_weight=self.input_norm.weight, eps=self.input_norm.eps,
-                           bias=attn.qkv_proj.bias)
+        qkv = _linear.fused_linear(x, attn.qkv_proj.weight, norm_weight=self.input_norm.weight,
+                                   eps=self.input_norm.eps, bias=attn.qkv_proj.bias)
         fused_rope = metadata is not None and metadata.kv_caches[attn.layer_index].dtype == qkv.dtype
         out = attn.attend(qkv, cos, sin, positions, metadata, backend, fused=fused_rope)
         x = _linear.fused_linear(out, attn.o_proj.weight, residual=x)
         act = _linear.fused_linear(x, self.gate_up_proj.weight, norm_weight=self.post_attn_norm.weight,
-                           eps=self.post_attn_norm.eps, gated=True)
+                                   eps=self.post_attn_norm.eps, gated=True)
         return _linear.fused_linear(act, self.down_proj.weight, residual=x)
 
 
