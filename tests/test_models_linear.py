@@ -166,6 +166,8 @@ def test_fused_half_precision_rounds_like_the_model(name):
         got = run_fused(small_batch_linear_triton, *t, **args).float()
         want = run_fused(fused_linear_reference, *t, **args).float()
         torch.testing.assert_close(got, want, atol=4e-3, rtol=4e-3)
+        # Most entries bit for bit: without the intermediate roundings a quarter to three quarters differ.
+        assert (got == want).float().mean() >= 0.95, (got == want).float().mean()
 
 
 def test_fused_bad_inputs_raise():

@@ -70,10 +70,10 @@ def _normalize(x, rstd, norm_w_ptr, kk, K, EVEN_K: tl.constexpr, DTYPE: tl.const
 @triton.jit
 def _finish(y, y_up, col, col_mask, out_offsets, res_offsets, out_mask, out_ptr, bias_ptr, res_ptr,
             DTYPE: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
-    """The epilogue, rounding where the unfused model stores an intermediate: + bias, silu(gate) * up,
-    + residual; then the store."""
+    """The epilogue, rounding where the unfused model stores an intermediate: + bias (into the float32 sum, as
+    F.linear adds it), silu(gate) * up, + residual; then the store."""
     if BIAS:
-        y = _round_to(y, DTYPE) + tl.load(bias_ptr + col, mask=col_mask, other=0.0).to(tl.float32)
+        y = y + tl.load(bias_ptr + col, mask=col_mask, other=0.0).to(tl.float32)
     if GATED:
         gate = _round_to(y, DTYPE)
         y = _round_to(gate * tl.sigmoid(gate), DTYPE) * _round_to(y_up, DTYPE)
