@@ -322,6 +322,111 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     return out
 
 
+def rope_write_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                            slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Rotary embedding of q and k and the cache write of k and v, as the model's unfused path computes them.
+
+    qkv [T, (num_heads + 2 * num_kv_heads) * d] (the fused projection's output, q then k then v); cos, sin
+    [T, d / 2] float32 (per-token rotary angles); kv_cache [slots, 2, num_kv_heads, d] (written in place: token t's
+    rotated k and its v at slot_mapping[t]); slot_mapping [T] int64, values in [0, slots). Returns the rotated q
+    [T, num_heads, d] in qkv's dtype (NeoX rotation, computed in cos's dtype, rounded once).
+    """
+    tokens, d = qkv.shape[0], kv_cache.shape[3]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
+
+    def rotate(x):
+        half = d // 2
+        x1, x2 = x[..., :half].to(cos.dtype), x[..., half:].to(cos.dtype)
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+    q = rotate(q.reshape(tokens, num_heads, d))
+    k = rotate(k.reshape(tokens, num_kv_heads, d))
+    kv_cache.index_put_((slot_mapping,), torch.stack((k, v.reshape(tokens, num_kv_heads, d)), dim=1).to(kv_cache.dtype))
+    return q
+
+
+@triton.jit
+def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_ptr, num_slots,
+                          stride_qkv, stride_cos, stride_sin, stride_slot, stride_kv, stride_head, stride_q_token,
+                          stride_q_head,
+                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                          BLOCK_H: tl.constexpr):
+    # One program per (token, head of q, k or v).
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    j = tl.arange(0, BLOCK_H)
+    j_mask = j < HALF
+    src = qkv_ptr + token * stride_qkv + head * (2 * HALF)
+    x1 = tl.load(src + j, mask=j_mask, other=0.0)
+    x2 = tl.load(src + HALF + j, mask=j_mask, other=0.0)
+    if head < NUM_HEADS + NUM_KV_HEADS:
+        c = tl.load(cos_ptr + token * stride_cos + j, mask=j_mask, other=0.0)
+        s = tl.load(sin_ptr + token * stride_sin + j, mask=j_mask, other=0.0)
+        a, b = x1.to(c.dtype), x2.to(c.dtype)
+        y1 = (a * c - b * s).to(x1.dtype)
+        y2 = (b * c + a * s).to(x1.dtype)
+    else:
+        y1, y2 = x1, x2
+    if head < NUM_HEADS:
+        dst = q_out_ptr + token * stride_q_token + head * stride_q_head
+        tl.store(dst + j, y1, mask=j_mask)
+        tl.store(dst + HALF + j, y2, mask=j_mask)
+    else:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        # A slot outside the cache is not written (the reference would fault on it).
+        in_cache = (slot >= 0) & (slot < num_slots)
+        kv_index = head - NUM_HEADS
+        which = kv_index // NUM_KV_HEADS
+        dst = (cache_ptr + tl.where(in_cache, slot, 0) * stride_slot + which * stride_kv
+               + (kv_index % NUM_KV_HEADS) * stride_head)
+        write = j < tl.where(in_cache, HALF, 0)
+        tl.store(dst + j, y1.to(cache_ptr.dtype.element_ty), mask=write)
+        tl.store(dst + HALF + j, y2.to(cache_ptr.dtype.element_ty), mask=write)
+
+
+def rope_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """`rope_write_kv_reference` in one Triton kernel (arguments as there; a slot outside the cache is skipped)."""
+    tokens = qkv.shape[0]
+    if kv_cache.dim() != 4 or kv_cache.shape[1] != 2 or kv_cache.shape[2] != num_kv_heads:
+        raise ValueError(f"rope_write_kv: kv_cache must be [slots, 2, {num_kv_heads}, head_size], "
+                         f"got {tuple(kv_cache.shape)}")
+    d = kv_cache.shape[3]
+    if d % 2 or qkv.dim() != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d:
+        raise ValueError(f"rope_write_kv: qkv must be [T, {(num_heads + 2 * num_kv_heads) * d}] for {num_heads} "
+                         f"heads and {num_kv_heads} KV heads of (even) size {d}, got {tuple(qkv.shape)}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (tokens, d // 2):
+            raise ValueError(f"rope_write_kv: {name} must be [{tokens}, {d // 2}], got {tuple(t.shape)}")
+    if slot_mapping.shape != (tokens,):
+        raise ValueError(f"rope_write_kv: slot_mapping must be [{tokens}], got {tuple(slot_mapping.shape)}")
+    if kv_cache.stride(3) != 1:
+        raise ValueError("rope_write_kv: kv_cache's last dimension must be contiguous")
+    qkv = qkv.contiguous()
+    cos, sin, slot_mapping = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
+    q = torch.empty((tokens, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q
+    wrap_triton(_rope_write_kv_kernel)[(tokens, num_heads + 2 * num_kv_heads)](
+        qkv, cos, sin, kv_cache, slot_mapping, q, kv_cache.shape[0],
+        qkv.stride(0), cos.stride(0), sin.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        q.stride(0), q.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=d // 2, BLOCK_H=max(16, _next_power_of_2(d // 2)),
+        num_warps=1)
+    return q
+
+
+@triton_op("specdec_models::rope_write_kv", mutates_args=("kv_cache",))
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """Rotary q and k, k and v into the cache: the Triton kernel on CUDA, the reference elsewhere (arguments as
+    `rope_write_kv_reference`)."""
+    if qkv.device.type != "cuda":
+        return rope_write_kv_reference(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
+    return rope_write_kv_triton(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
+
+
 @triton_op("specdec_models::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     token_rows: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,

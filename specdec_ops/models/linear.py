@@ -1,24 +1,36 @@
 """The model's projections for few tokens: a Triton matrix-vector kernel that streams the weight at close to the
-memory bandwidth, where cuBLAS's kernels for one to sixteen rows fall short on the small matrices of a 1B model.
+memory bandwidth, where cuBLAS's kernels for one to sixteen rows fall short on the small matrices of a 1B model,
+and that takes the neighbouring elementwise work of a decoder layer into its prologue and epilogue.
 
-``out = x @ weight.T`` for x [M, K] and weight [N, K], accumulated in float32 and rounded once to x's dtype.
+``out = x @ weight.T`` for x [M, K] and weight [N, K], accumulated in float32 and rounded once to x's dtype;
+fused (`fused_linear_reference` states the math): the row's RMSNorm before the product, + bias, silu(gate) * up
+(a [gate; up] weight) and + residual after it.
 
 - `small_batch_linear_triton`: the kernel, on any device Triton runs on (CPU through the interpreter). One program
-  owns BLOCK_N output columns and streams their weight rows over K once. With one row (a batch-1 decode step) it
-  multiplies and accumulates elementwise in a [BLOCK_N, BLOCK_K] float32 tile and reduces once at the end (four
-  columns per program: enough programs to fill the GPU even for N = 2048); with 2 to 16 rows it runs one
-  tl.dot of the rows (padded to 16) against each weight tile.
-- `torch.ops.specdec_models.small_batch_linear`: the op models call; a `torch.library.triton_op`, so
-  torch.compile(fullgraph=True) traces into the kernel and CUDA graphs capture it. Off CUDA it is F.linear.
-- `linear`: what the model calls for every projection: the op for 1 to MAX_ROWS rows of a float16/bfloat16
-  CUDA tensor, F.linear otherwise (float32 models keep cuBLAS, whose results the CUDA tests compare exactly).
+  owns BLOCK_N output columns and streams their weight rows over K once (gated: the gate and the up rows of its
+  columns). With one row (a batch-1 decode step) it multiplies and accumulates elementwise in a
+  [BLOCK_N, BLOCK_K] float32 tile and reduces once at the end (two columns per program: enough programs to fill
+  the GPU even for N = 2048); with 2 to 16 rows it runs one tl.dot of the rows (padded to 16) against each
+  weight tile. The norm: each program first sums the squares of its x row(s) (x is small and L2-resident), then
+  normalizes each x tile as it loads it. Prologue and epilogue round where the unfused model stores an
+  intermediate, so the two differ by float32 summation order only. (Applying 1 / rms to the accumulator instead,
+  without the first pass, measured no faster at one row and much slower in the tl.dot path.)
+- `torch.ops.specdec_models.small_batch_linear` and `torch.ops.specdec_models.small_batch_linear_fused`: the ops
+  models call; `torch.library.triton_op`s, so torch.compile(fullgraph=True) traces into the kernel and CUDA
+  graphs capture it. Off CUDA they are F.linear and the unfused math.
+- `linear` and `fused_linear`: what the model calls: the ops for 1 to MAX_ROWS rows of a float16/bfloat16
+  CUDA tensor (`takes_kernel`), F.linear and the unfused math otherwise (float32 models keep cuBLAS, whose
+  results the CUDA tests compare exactly).
 
-On the H200 (torch 2.11, bf16, weights not in L2, 2026-12-01), per projection of the Llama-3.2-1B shape at one
-row: 3072x2048 5.2 us (cuBLAS 6.4), 2048x2048 4.3 (6.1), 16384x2048 17.2 (18.0), 2048x8192 10.5 (14.4, plus
-cuBLAS's split-K reduction kernel), 128256x2048 115 (122); at five rows it equals cuBLAS and saves the split-K
-reduction (scripts/bench_model.py measures the model).
+On the H200 (torch 2.11, bf16, weights not in L2, 2026-12-01), per unfused projection of the Llama-3.2-1B shape
+at one row: 3072x2048 5.2 us (cuBLAS 6.4), 2048x2048 4.3 (6.1), 16384x2048 17.2 (18.0), 2048x8192 10.5 (14.4,
+plus cuBLAS's split-K reduction kernel), 128256x2048 115 (122); at five rows it equals cuBLAS and saves the
+split-K reduction. scripts/bench_linear_configs.py times the fused projections under candidate tilings,
+scripts/bench_model.py the model.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -31,51 +43,153 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
+def _round_to(v, dtype: tl.constexpr):
+    """v (float32) rounded to dtype and back: what storing an intermediate in the model dtype does."""
+    return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _load_x(x_ptrs, kk, row_mask, K, EVEN_K: tl.constexpr):
+    """The x rows of row_mask at columns kk, in float32, zero past K."""
+    if EVEN_K:
+        return tl.load(x_ptrs, mask=row_mask, other=0.0).to(tl.float32)
+    return tl.load(x_ptrs, mask=row_mask & (kk < K), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _normalize(x, rstd, norm_w_ptr, kk, K, EVEN_K: tl.constexpr, DTYPE: tl.constexpr):
+    """RMSNorm of an x tile as the model computes it: (x * rstd) rounded to the model dtype, times the norm
+    weight, rounded again."""
+    if EVEN_K:
+        nw = tl.load(norm_w_ptr + kk).to(tl.float32)
+    else:
+        nw = tl.load(norm_w_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+    return _round_to(_round_to(x * rstd, DTYPE) * nw, DTYPE)
+
+
+@triton.jit
+def _finish(y, y_up, col, col_mask, out_offsets, res_offsets, out_mask, out_ptr, bias_ptr, res_ptr,
+            DTYPE: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The epilogue, rounding where the unfused model stores an intermediate: + bias (into the float32 sum, as
+    F.linear adds it), silu(gate) * up, + residual; then the store."""
+    if BIAS:
+        y = y + tl.load(bias_ptr + col, mask=col_mask, other=0.0).to(tl.float32)
+    if GATED:
+        gate = _round_to(y, DTYPE)
+        y = _round_to(gate * tl.sigmoid(gate), DTYPE) * _round_to(y_up, DTYPE)
+    if RESIDUAL:
+        y = _round_to(y, DTYPE) + tl.load(res_ptr + res_offsets, mask=out_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + out_offsets, y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, bias_ptr, res_ptr,
+                               M, N, K, stride_xm, stride_wn, stride_om, stride_rm, up_offset, eps,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, FP32: tl.constexpr):
+                               EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, FP32: tl.constexpr,
+                               NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr,
+                               RESIDUAL: tl.constexpr):
+    dtype: tl.constexpr = x_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
     w_rows = w_ptr + tl.where(n_mask, n, 0).to(tl.int64)[:, None] * stride_wn  # in bounds for every n
+    # GATED: the weight is [gate; up], 2N rows; this program also streams the up rows of its columns.
+    up_rows = w_rows + up_offset
     k = tl.arange(0, BLOCK_K)
     if ONE_ROW:
+        rstd = 1.0
+        if NORM:
+            squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    x = tl.load(x_ptr + k0 + k).to(tl.float32)
+                else:
+                    x = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+                squares += x * x
+            # eps arrives as float64 from inductor: the statistic stays float32.
+            rstd = tl.rsqrt((tl.sum(squares, axis=0) / K + eps).to(tl.float32))
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + k
             if EVEN_K:
                 w = tl.load(w_rows + kk[None, :])
-                x = tl.load(x_ptr + kk)
             else:
                 w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
-                x = tl.load(x_ptr + kk, mask=kk < K, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_mask)
+            if EVEN_K:
+                x = tl.load(x_ptr + kk).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            if NORM:
+                x = _normalize(x, rstd, norm_w_ptr, kk, K, EVEN_K, dtype)
+            acc += w.to(tl.float32) * x[None, :]
+            if GATED:
+                if EVEN_K:
+                    w_up = tl.load(up_rows + kk[None, :])
+                else:
+                    w_up = tl.load(up_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                acc_up += w_up.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
+        y_up = tl.sum(acc_up, axis=1)
+        _finish(y, y_up, n, n_mask, n, n, n_mask, out_ptr, bias_ptr, res_ptr, dtype, BIAS, GATED, RESIDUAL)
     else:
         m = tl.arange(0, BLOCK_M)
         m_mask = m < M
         x_rows = x_ptr + tl.where(m_mask, m, 0).to(tl.int64)[:, None] * stride_xm
+        rstd = tl.full((BLOCK_M, 1), 1.0, dtype=tl.float32)
+        if NORM:
+            squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                x = _load_x(x_rows + (k0 + k)[None, :], (k0 + k)[None, :], m_mask[:, None], K, EVEN_K)
+                squares += x * x
+            rstd = tl.rsqrt((tl.sum(squares, axis=1) / K + eps).to(tl.float32))[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + k
             if EVEN_K:
                 w = tl.load(w_rows + kk[None, :])
-                x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
             else:
                 w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+            if NORM:
+                x = _load_x(x_rows + kk[None, :], kk[None, :], m_mask[:, None], K, EVEN_K)
+                x = _normalize(x, rstd, norm_w_ptr, kk[None, :], K, EVEN_K, dtype).to(dtype)
+            elif EVEN_K:
+                x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None], other=0.0)
+            else:
                 x = tl.load(x_rows + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
             if FP32:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
-        offsets = m.to(tl.int64)[:, None] * stride_om + n[None, :]
-        tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+            if GATED:
+                if EVEN_K:
+                    w_up = tl.load(up_rows + kk[None, :])
+                else:
+                    w_up = tl.load(up_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                if FP32:
+                    acc_up += tl.dot(x, tl.trans(w_up), input_precision="ieee")
+                else:
+                    acc_up += tl.dot(x, tl.trans(w_up))
+        out_offsets = m.to(tl.int64)[:, None] * stride_om + n[None, :]
+        res_offsets = m.to(tl.int64)[:, None] * stride_rm + n[None, :]
+        _finish(acc, acc_up, n[None, :], n_mask[None, :], out_offsets, res_offsets,
+                m_mask[:, None] & n_mask[None, :], out_ptr, bias_ptr, res_ptr, dtype, BIAS, GATED, RESIDUAL)
 
 
-def launch_config(rows: int, n: int, k: int) -> dict:
-    """Tiling of one launch, from shapes only (measured on the H200 for the 1B model's projections)."""
+def launch_config(rows: int, n: int, k: int, gated: bool = False, norm: bool = False) -> dict:
+    """Tiling of one launch, from shapes only (measured on the H200 for the 1B model's projections, fused as the
+    model runs them: scripts/bench_linear_configs.py). n: output columns; gated: each column streams two weight
+    rows (gate and up); norm: the RMSNorm prologue."""
+    weight_rows = 2 * n if gated else n
     if rows == 1:
-        block_n, block_k, warps, stages = 4, 1024, 4, 3
-    elif n <= 4096:
+        # Two columns per program (enough programs to hide the memory latency); gated, eight columns (sixteen
+        # weight rows) over shorter K tiles measured fastest.
+        block_n, block_k, warps, stages = (8, 512, 4, 3) if gated else (2, 1024, 4, 3)
+    elif gated or (norm and weight_rows <= 4096):
+        # The prologue's pass over x is paid per program: fewer, wider programs.
+        block_n, block_k, warps, stages = 32, 256, 4, 3
+    elif weight_rows <= 4096:
         block_n, block_k, warps, stages = 16, 512, 4, 3
     else:
         block_n, block_k, warps, stages = 64, 128, 4, 4
@@ -97,25 +211,81 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor) -> None:
                          f"{weight.device}) must share dtype and device")
 
 
-def small_batch_linear_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def small_batch_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+                              eps: float = 0.0, bias: torch.Tensor | None = None,
+                              residual: torch.Tensor | None = None, gated: bool = False,
+                              config: dict | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) @ weight [N, K].T through the Triton kernel; float16, bfloat16 or float32.
-    Returns [M, N] in x's dtype."""
+    Returns [M, N] in x's dtype (with gated, [M, N / 2]); the optional parts are those of
+    `fused_linear_reference`. config: a `launch_config` dict to use instead of the shape's own (benchmarks)."""
     _check_inputs(x, weight)
+    _check_fused(x, weight, norm_weight, bias, residual, gated)
     rows, k = x.shape
-    n = weight.shape[0]
-    # The kernel reads both with unit stride along K.
+    n = weight.shape[0] // 2 if gated else weight.shape[0]
+    # The kernel reads all of them with unit stride along the last dimension.
     x, weight = x.contiguous(), weight.contiguous()
+    norm_weight = None if norm_weight is None else norm_weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    residual = None if residual is None else residual.contiguous()
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
     if k == 0:
-        return out.zero_()
-    config = launch_config(rows, n, k)
+        # Every product is 0: the epilogue alone.
+        return fused_linear_reference(x, weight, norm_weight=norm_weight, eps=eps, bias=bias, residual=residual,
+                                      gated=gated)
+    config = config or launch_config(rows, n, k, gated=gated, norm=norm_weight is not None)
     wrap_triton(_small_batch_linear_kernel)[(triton.cdiv(n, config["block_n"]),)](
-        x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, out, x if norm_weight is None else norm_weight, x if bias is None else bias,
+        x if residual is None else residual,
+        rows, n, k, x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
+        n * weight.stride(0), float(eps),
         BLOCK_M=16, BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], EVEN_K=config["even_k"],
-        ONE_ROW=config["one_row"], FP32=x.dtype == torch.float32, num_warps=config["num_warps"], num_stages=config["num_stages"])
+        ONE_ROW=config["one_row"], FP32=x.dtype == torch.float32, NORM=norm_weight is not None,
+        BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
     return out
+
+
+def fused_linear_reference(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+                           eps: float = 0.0, bias: torch.Tensor | None = None,
+                           residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """The unfused math of one fused projection, as the model computes it (every intermediate in x's dtype):
+
+        h = rms_norm(x) * norm_weight      (when norm_weight [K] is given; eps: the norm's epsilon)
+        y = h @ weight.T (+ bias [N])
+        y = silu(y[:, :N/2]) * y[:, N/2:]  (gated: weight is [gate; up], 2 * N/2 rows)
+        y = residual + y                   (residual [M, N or N/2])
+
+    x [M, K] float; weight [N, K]. Returns [M, N] (gated: [M, N/2]) in x's dtype.
+    """
+    if norm_weight is not None:
+        x32 = x.float() if x.dtype in HALF_DTYPES else x
+        x = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * norm_weight
+    y = torch.nn.functional.linear(x, weight, bias)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+def _check_fused(x, weight, norm_weight, bias, residual, gated) -> None:
+    rows, k = x.shape
+    n = weight.shape[0]
+    if gated and n % 2:
+        raise ValueError(f"fused linear: a gated weight stacks gate and up rows, an even count expected, got {n}")
+    n_out = n // 2 if gated else n
+    for name, t, shape in (("norm_weight", norm_weight, (k,)), ("bias", bias, (n,)),
+                           ("residual", residual, (rows, n_out))):
+        if t is None:
+            continue
+        if tuple(t.shape) != shape:
+            raise ValueError(f"fused linear: {name} must have shape {list(shape)}, got {list(t.shape)}")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(f"fused linear: {name} ({t.dtype}, {t.device}) must share x's dtype and device "
+                             f"({x.dtype}, {x.device})")
+    if gated and bias is not None:
+        raise ValueError("fused linear: a gated projection takes no bias")
 
 
 @triton_op("specdec_models::small_batch_linear", mutates_args=())
@@ -128,11 +298,43 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return small_batch_linear_triton(x, weight)
 
 
+@triton_op("specdec_models::small_batch_linear_fused", mutates_args=())
+def small_batch_linear_fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor],
+                             eps: float, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
+                             gated: bool) -> torch.Tensor:
+    """One projection with its neighbours fused (arguments as `fused_linear_reference`): the Triton kernel on
+    CUDA, the reference math elsewhere."""
+    if x.device.type != "cuda":
+        _check_inputs(x, weight)
+        _check_fused(x, weight, norm_weight, bias, residual, gated)
+        return fused_linear_reference(x, weight, norm_weight=norm_weight, eps=eps, bias=bias, residual=residual,
+                                      gated=gated)
+    return small_batch_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, bias=bias, residual=residual,
+                                     gated=gated)
+
+
+def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` runs the Triton kernel for x (a float16/bfloat16 CUDA tensor of 1 to MAX_ROWS rows)."""
+    return (x.device.type == "cuda" and x.dtype in HALF_DTYPES and weight.dtype == x.dtype and x.dim() == 2
+            and 0 < x.shape[0] <= MAX_ROWS)
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
+                 eps: float = 0.0, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                 gated: bool = False) -> torch.Tensor:
+    """`fused_linear_reference`'s math (arguments as there): one Triton kernel when `takes_kernel`, the unfused
+    math otherwise."""
+    if takes_kernel(x, weight):
+        return torch.ops.specdec_models.small_batch_linear_fused(x, weight, norm_weight, eps, bias, residual,
+                                                                 gated)
+    return fused_linear_reference(x, weight, norm_weight=norm_weight, eps=eps, bias=bias, residual=residual,
+                                  gated=gated)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) in x's dtype: the Triton kernel for 1 to MAX_ROWS rows of a
     float16/bfloat16 CUDA tensor, F.linear otherwise."""
-    if (x.device.type == "cuda" and x.dtype in HALF_DTYPES and weight.dtype == x.dtype and x.dim() == 2
-            and 0 < x.shape[0] <= MAX_ROWS):
+    if takes_kernel(x, weight):
         out = torch.ops.specdec_models.small_batch_linear(x, weight)
         return out if bias is None else out + bias
     return torch.nn.functional.linear(x, weight, bias)

@@ -8,6 +8,12 @@ projection runs through `linear.linear` (a Triton kernel for 1 to 16 rows of a h
 F.linear otherwise). Embeddings are tied or untied. Weights are
 random and seeded (`LlamaModel(config, seed=...)`) or loaded (`loading.load_model`).
 
+For 1 to 16 tokens of a float16/bfloat16 CUDA model (decode and verify steps) a decoder layer runs fused: four
+projection kernels (RMSNorm in the prologue of q/k/v and of gate/up, silu(gate) * up and the residual adds in
+the epilogues, `linear.fused_linear`) and one kernel for the rotary embedding of q and k and the cache write
+of k and v (`attention.rope_write_kv`), in place of about a dozen kernels. Everything else runs the plain code
+below, which is also the statement of what the fused path computes.
+
 It follows the model interface of specdec_ops/models/interface.py: ``vocab_size``, ``kv_cache_spec()``,
 ``forward(input_ids, positions, attn_metadata)`` and ``compute_logits(hidden)``.
 
@@ -37,6 +43,7 @@ import torch
 from torch import nn
 
 from . import attention as _attention
+from . import linear as _linear
 from .linear import linear
 from .interface import AttentionMetadata, KVCacheSpec
 
@@ -158,8 +165,20 @@ class Attention(nn.Module):
         self.scale = d ** -0.5
 
     def forward(self, x, cos, sin, positions, metadata: AttentionMetadata | None, backend: str):
-        tokens, d = x.shape[0], self.head_size
         qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
+        return linear(self.attend(qkv, cos, sin, positions, metadata, backend), self.o_proj.weight)
+
+    def attend(self, qkv, cos, sin, positions, metadata: AttentionMetadata | None, backend: str,
+               fused: bool = False) -> torch.Tensor:
+        """Rotary embedding, the cache write and attention of the projected qkv [T, (heads + 2 kv_heads) * d];
+        returns [T, heads * d]. fused: rotary and cache write in one kernel (`attention.rope_write_kv`)."""
+        tokens, d = qkv.shape[0], self.head_size
+        if metadata is not None and fused:
+            cache = metadata.kv_caches[self.layer_index]
+            q = _attention.rope_write_kv(qkv, cos, sin, cache, metadata.slot_mapping, self.num_heads,
+                                         self.num_kv_heads)
+            out = self._attend_cache(q, cache, positions, metadata, backend)
+            return out.reshape(tokens, self.num_heads * d)
         q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], -1)
         q = apply_rotary(q.view(tokens, self.num_heads, d), cos, sin)
         k = apply_rotary(k.view(tokens, self.num_kv_heads, d), cos, sin)
@@ -168,7 +187,7 @@ class Attention(nn.Module):
             out = self._dense(q, k, v, positions)
         else:
             out = self._paged(q, k, v, positions, metadata, backend)
-        return linear(out.reshape(tokens, self.num_heads * d), self.o_proj.weight)
+        return out.reshape(tokens, self.num_heads * d)
 
     def _dense(self, q, k, v, positions):
         # One whole sequence, no cache: every token sees the tokens at positions <= its own.
@@ -186,6 +205,9 @@ class Attention(nn.Module):
         cache = metadata.kv_caches[self.layer_index]  # [num_blocks * block_size, 2, kv_heads, d]
         # Into the cache tensor itself (not a view), so that compiled code updates it in place.
         cache.index_put_((metadata.slot_mapping,), torch.stack((k, v), dim=1).to(cache.dtype))
+        return self._attend_cache(q, cache, positions, metadata, backend)
+
+    def _attend_cache(self, q, cache, positions, metadata: AttentionMetadata, backend: str):
         args = (q, cache, metadata.block_tables, metadata.token_rows, positions, metadata.seq_lens,
                 metadata.block_size, self.scale)
         if backend == "reference":
@@ -203,9 +225,24 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False, **factory)
 
     def forward(self, x, cos, sin, positions, metadata, backend):
+        if _linear.takes_kernel(x, self.gate_up_proj.weight):
+            return self._forward_fused(x, cos, sin, positions, metadata, backend)
         x = x + self.attn(self.input_norm(x), cos, sin, positions, metadata, backend)
         gate, up = linear(self.post_attn_norm(x), self.gate_up_proj.weight).chunk(2, dim=-1)
         return x + linear(nn.functional.silu(gate) * up, self.down_proj.weight)
+
+    def _forward_fused(self, x, cos, sin, positions, metadata, backend):
+        # The same math in four projection kernels (norms in the prologues of q/k/v and gate/up, silu(gate) * up
+        # and the residual adds in the epilogues) and one rotary + cache-write kernel.
+        attn = self.attn
+        qkv = _linear.fused_linear(x, attn.qkv_proj.weight, norm_weight=self.input_norm.weight,
+                                   eps=self.input_norm.eps, bias=attn.qkv_proj.bias)
+        fused_rope = metadata is not None and metadata.kv_caches[attn.layer_index].dtype == qkv.dtype
+        out = attn.attend(qkv, cos, sin, positions, metadata, backend, fused=fused_rope)
+        x = _linear.fused_linear(out, attn.o_proj.weight, residual=x)
+        act = _linear.fused_linear(x, self.gate_up_proj.weight, norm_weight=self.post_attn_norm.weight,
+                                   eps=self.post_attn_norm.eps, gated=True)
+        return _linear.fused_linear(act, self.down_proj.weight, residual=x)
 
 
 class LlamaModel(nn.Module):
