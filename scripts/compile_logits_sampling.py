@@ -25,7 +25,7 @@ POINTERS = {"target_ptr": "*bf16", "draft_logits_ptr": "*bf16", "logits_ptr": "*
             "stats_ptr": "*i32", "partial_ptr": "*i32", "hist_ptr": "*i32", "workspace_ptr": "*i64",
             "candidates_ptr": "*fp32", "draft_ptr": "*i64", "seed_ptr": "*i64", "offset_ptr": "*i64",
             "position_ptr": "*i64", "out_ptr": "*i64", "logprobs_ptr": "*fp32", "counters_ptr": "*i64",
-            "probs_ptr": "*fp32", "stop_ptr": "*i32"}
+            "probs_ptr": "*fp32", "stop_ptr": "*i32", "chunk_stats_ptr": "*i32"}
 
 
 def compile_variant(fn, constexprs, name, pointers=None) -> bool:
@@ -72,8 +72,8 @@ def main() -> int:
         # The GPU's chunk is one block (stats_block_v); the several-block loop compiles for draft logits.
         for chunk_is_block in (True, False) if logits else (True,):
             ok &= compile_variant(kernels._block_residual_kernel,
-                                  {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits, "CHUNK_IS_BLOCK": chunk_is_block,
-                                   "BLOCK_K": 8, "BLOCK_V": GEOMETRY["stats_block_v"], "BLOCK_C": 16,
+                                  {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits,
+                                   "CHUNK_IS_BLOCK": chunk_is_block, "BLOCK_K": 8, "BLOCK_V": GEOMETRY["stats_block_v"], "BLOCK_C": 16,
                                    "NUM_STAGES": GEOMETRY["num_stages"]},
                                   f"_block_residual_kernel(draft_probs={probs}, draft_logits={logits}, "
                                   f"chunk_is_block={chunk_is_block})",
