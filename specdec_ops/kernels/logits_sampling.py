@@ -25,9 +25,8 @@ memset; graph-capturable, no host sync).
    mass reaches top_p * S (top-p alone); tau holds that bound until pass 2.
 2. `_filter_kernel` (rows no filter touches return at once; run by the statistics pass's last program instead
    when one program covers a row, so that no launch is spent on unfiltered rows): every program appends the z of
-   its chunks' entries at or above the bound to the row's candidates, reading only the chunks whose maximum (pass
-   1's partial) reaches the bound (an atomic slot counter; at most CAP are
-   stored); the last program sorts them in registers (tl.sort, tl.cumsum; SMALL_CAP entries when there are that
+   its chunks' entries at or above the bound to the row's candidates (an atomic slot counter; at most CAP are
+   stored), reading only the chunks whose maximum (pass 1's partial) reaches the bound; the last program sorts them in registers (tl.sort, tl.cumsum; SMALL_CAP entries when there are that
    few, else CAP: the size is a function of the row alone) and finds tau_k, M_k, tau_p and S exactly, ties at the
    cut-off kept, as the contract says. The bound is only a guess: the finish checks that the candidates (an upper
    set of z) hold the kept set (at least top_k of them, or a mass reaching top_p * M_k); a row that fails, or has
