@@ -396,6 +396,16 @@ def test_block_dead_weights_random(kernel):
     assert_emits_only_supported_tokens(out, lp, args)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("draft", ["logits", "probs", "none"])
+def test_block_single_draft_matches_reference(kernel, draft):
+    """k = 1 in block mode: no residual row, the stop point from u_0 < w_1 alone (mixed greedy and filtered rows,
+    invalid ids)."""
+    args = make_case(71 + len(draft), 6, 1, 40, draft=draft)
+    out, lp = check_against_reference(kernel, args, True)
+    assert_emits_only_supported_tokens(out, lp, args)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("block", [False, True])
 def test_triton_multi_block_rows(block):

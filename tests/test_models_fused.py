@@ -61,6 +61,13 @@ def test_rope_write_kv_bad_inputs_raise():
         rope_write_kv_triton(qkv, cos, sin[:, :3], cache, slots, 4, 2)
     with pytest.raises(ValueError, match="slot_mapping must be"):
         rope_write_kv_triton(qkv, cos, sin, cache, slots[:1], 4, 2)
+    with pytest.raises(ValueError, match="slot_mapping must be int32 or int64"):
+        rope_write_kv_triton(qkv, cos, sin, cache, slots.float(), 4, 2)
+    with pytest.raises(ValueError, match="cos and sin must share a floating dtype"):
+        rope_write_kv_triton(qkv, cos, sin.double(), cache, slots, 4, 2)
+    # The op's CPU path (the reference) checks the same.
+    with pytest.raises(ValueError, match="slot_mapping must be int32 or int64"):
+        torch.ops.specdec_models.rope_write_kv(qkv, cos, sin, cache, slots.float(), 4, 2)
 
 
 def paged_batch(model, rows, query_len, context, block_size=4, seed=0, device="cpu"):

@@ -1047,8 +1047,10 @@ def _block_stop(target_logits, draft_token_ids, q, q_strides, temperature, min_p
     # Programs of several consecutive chunks, as the statistics pass; partials stay per chunk, so tau does not
     # depend on the grid.
     chunks_per_program, programs = _statistics_grid(batch * residual_rows, num_chunks, device, chunks_per_program)
+    if k == 1:  # no residual row: one program per request takes the ticket and decides
+        chunks_per_program, programs = num_chunks, 1
     stop = torch.empty((batch,), dtype=torch.int32, device=device)
-    partial = torch.empty((batch, k, num_chunks), dtype=torch.float32, device=device)
+    partial = torch.empty((batch, k, num_chunks), dtype=torch.float32, device=device)  # rows 1..k-1 (0 unused)
     _block_residual_kernel[(batch, residual_rows, programs)](
         target_logits, draft_token_ids, q, temperature, min_p, seeds, offsets, stats, partial, stop,
         zeroed_scratch(device, batch), k, vocab, num_rows, chunk_len, num_chunks, chunks_per_program,

@@ -385,9 +385,8 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_
         tl.store(dst + HALF + j, y2.to(cache_ptr.dtype.element_ty), mask=write)
 
 
-def rope_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                         slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
-    """`rope_write_kv_reference` in one Triton kernel (arguments as there; a slot outside the cache is skipped)."""
+def _check_rope_inputs(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads) -> None:
+    """rope_write_kv's argument checks (both paths): a ValueError naming the argument and what was expected."""
     tokens = qkv.shape[0]
     if kv_cache.dim() != 4 or kv_cache.shape[1] != 2 or kv_cache.shape[2] != num_kv_heads:
         raise ValueError(f"rope_write_kv: kv_cache must be [slots, 2, {num_kv_heads}, head_size], "
@@ -403,6 +402,20 @@ def rope_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         raise ValueError(f"rope_write_kv: slot_mapping must be [{tokens}], got {tuple(slot_mapping.shape)}")
     if kv_cache.stride(3) != 1:
         raise ValueError("rope_write_kv: kv_cache's last dimension must be contiguous")
+    for name, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("slot_mapping", slot_mapping)):
+        if t.device != kv_cache.device:
+            raise ValueError(f"rope_write_kv: {name} must be on kv_cache's device {kv_cache.device}, got {t.device}")
+    if not (cos.is_floating_point() and sin.is_floating_point() and cos.dtype == sin.dtype):
+        raise ValueError(f"rope_write_kv: cos and sin must share a floating dtype, got {cos.dtype} and {sin.dtype}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"rope_write_kv: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+
+
+def rope_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """`rope_write_kv_reference` in one Triton kernel (arguments as there; a slot outside the cache is skipped)."""
+    _check_rope_inputs(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
+    tokens, d = qkv.shape[0], kv_cache.shape[3]
     qkv = qkv.contiguous()
     cos, sin, slot_mapping = cos.contiguous(), sin.contiguous(), slot_mapping.contiguous()
     q = torch.empty((tokens, num_heads, d), dtype=qkv.dtype, device=qkv.device)
@@ -423,6 +436,7 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_ca
     """Rotary q and k, k and v into the cache: the Triton kernel on CUDA, the reference elsewhere (arguments as
     `rope_write_kv_reference`)."""
     if qkv.device.type != "cuda":
+        _check_rope_inputs(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
         return rope_write_kv_reference(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
     return rope_write_kv_triton(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
 

@@ -13,8 +13,8 @@ fused (`fused_linear_reference` states the math): the row's RMSNorm before the p
   the GPU even for N = 2048); with 2 to 16 rows it runs one tl.dot of the rows (padded to 16) against each
   weight tile. The norm: each program first sums the squares of its x row(s) (x is small and L2-resident), then
   normalizes each x tile as it loads it. Prologue and epilogue round where the unfused model stores an
-  intermediate, so the two differ by float32 summation order only. (Applying 1 / rms to the accumulator instead,
-  without the first pass, measured no faster at one row and much slower in the tl.dot path.)
+  intermediate, so the two differ by float32 summation order only. The first pass costs little: applying 1 / rms
+  to the accumulator instead measured no faster at one row and slower with tl.dot.
 - `torch.ops.specdec_models.small_batch_linear` and `torch.ops.specdec_models.small_batch_linear_fused`: the ops
   models call; `torch.library.triton_op`s, so torch.compile(fullgraph=True) traces into the kernel and CUDA
   graphs capture it. Off CUDA they are F.linear and the unfused math.
@@ -22,11 +22,8 @@ fused (`fused_linear_reference` states the math): the row's RMSNorm before the p
   CUDA tensor (`takes_kernel`), F.linear and the unfused math otherwise (float32 models keep cuBLAS, whose
   results the CUDA tests compare exactly).
 
-On the H200 (torch 2.11, bf16, weights not in L2, 2026-12-01), per unfused projection of the Llama-3.2-1B shape
-at one row: 3072x2048 5.2 us (cuBLAS 6.4), 2048x2048 4.3 (6.1), 16384x2048 17.2 (18.0), 2048x8192 10.5 (14.4,
-plus cuBLAS's split-K reduction kernel), 128256x2048 115 (122); at five rows it equals cuBLAS and saves the
-split-K reduction. scripts/bench_linear_configs.py times the fused projections under candidate tilings,
-scripts/bench_model.py the model.
+The tilings come from scripts/bench_linear_configs.py (the fused projections of the Llama-3.2-1B shape under
+candidate tilings, H200); benchmarks/RESULTS.md has the figures, scripts/bench_model.py times the model.
 """
 from __future__ import annotations
 
