@@ -25,7 +25,7 @@ POINTERS = {"target_ptr": "*bf16", "draft_logits_ptr": "*bf16", "logits_ptr": "*
             "stats_ptr": "*i32", "partial_ptr": "*i32", "hist_ptr": "*i32", "workspace_ptr": "*i64",
             "candidates_ptr": "*fp32", "draft_ptr": "*i64", "seed_ptr": "*i64", "offset_ptr": "*i64",
             "position_ptr": "*i64", "out_ptr": "*i64", "logprobs_ptr": "*fp32", "counters_ptr": "*i64",
-            "probs_ptr": "*fp32", "stop_ptr": "*i32", "chunk_stats_ptr": "*i32"}
+            "probs_ptr": "*fp32", "stop_ptr": "*i32"}
 
 
 def compile_variant(fn, constexprs, name, pointers=None) -> bool:

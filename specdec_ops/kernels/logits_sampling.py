@@ -26,7 +26,7 @@ memset; graph-capturable, no host sync).
 2. `_filter_kernel` (rows no filter touches return at once; run by the statistics pass's last program instead
    when one program covers a row, so that no launch is spent on unfiltered rows): every program appends the z of
    its chunks' entries at or above the bound to the row's candidates (an atomic slot counter; at most CAP are
-   stored), reading only the chunks whose maximum (pass 1's partial) reaches the bound; the last program sorts them in registers (tl.sort, tl.cumsum; SMALL_CAP entries when there are that
+   stored); the last program sorts them in registers (tl.sort, tl.cumsum; SMALL_CAP entries when there are that
    few, else CAP: the size is a function of the row alone) and finds tau_k, M_k, tau_p and S exactly, ties at the
    cut-off kept, as the contract says. The bound is only a guess: the finish checks that the candidates (an upper
    set of z) hold the kept set (at least top_k of them, or a mass reaching top_p * M_k); a row that fails, or has
@@ -363,9 +363,9 @@ def _stats_kernel(
             tl.debug_barrier()  # the statistics are stored before the filter pass reads them
             min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
             _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, 1, 0, num_chunks, num_chunks, chunk_len, vocab,
-                           temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, kept_mass_ptr, partial_ptr,
-                           workspace_ptr, k, t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES,
-                           SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C)
+                           temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, kept_mass_ptr, workspace_ptr,
+                           k, t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK,
+                           NUM_PROBES, CAP, SMALL_CAP, BLOCK_C)
 
 @triton.jit
 def _gather_chunk_tl(row_ptr, start, end, t, lo, candidates_ptr, slot_ptr, CAP: tl.constexpr,
@@ -422,21 +422,13 @@ def _search_fallback_tl(row_ptr, vocab, t, m, mass_all, k_on, top_k, p_on, top_p
 
 @triton.jit
 def _span_filter_tl(row_ptr, c_first, c_last, chunk_len, vocab, t, m, lo, min_e, searched, candidates, slot_ptr,
-                    kept_mass_ptr, chunk_stats_ptr, CAP: tl.constexpr, BLOCK_V: tl.constexpr,
-                    NUM_STAGES: tl.constexpr):
+                    kept_mass_ptr, CAP: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
     """The filter pass over chunks c_first .. c_last - 1 of one row: with top-k or top-p on, their entries with key
     >= lo appended to the candidates (in any order: the finish sorts them); else (min-p alone) each chunk's kept
-    mass into kept_mass_ptr [c], a sum over that chunk alone. chunk_stats_ptr: the row's statistics partials
-    [num_chunks, 4] (entry 0: the chunk's max x)."""
+    mass into kept_mass_ptr [c], a sum over that chunk alone."""
     if searched:
-        for c in range(c_first, c_last):
-            # A chunk whose maximum (from the statistics pass) is below the bound has no candidate: not read (most
-            # chunks when the kept set is a few tokens; top-k 50 over a 16-chunk row touches nearly every chunk).
-            top = tl.load(chunk_stats_ptr + c * 4, cache_modifier=".cg").to(tl.float32, bitcast=True)
-            if ~(_order_key_tl(top / t) < lo):
-                start = c * chunk_len
-                _gather_chunk_tl(row_ptr, start, tl.minimum(start + chunk_len, vocab), t, lo, candidates, slot_ptr,
-                                 CAP, BLOCK_V, NUM_STAGES)
+        _gather_chunk_tl(row_ptr, c_first * chunk_len, tl.minimum(c_last * chunk_len, vocab), t, lo, candidates,
+                         slot_ptr, CAP, BLOCK_V, NUM_STAGES)
     else:
         for c in range(c_first, c_last):
             start = c * chunk_len
@@ -446,8 +438,7 @@ def _span_filter_tl(row_ptr, c_first, c_last, chunk_len, vocab, t, m, lo, min_e,
 
 @triton.jit
 def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, num_programs, c_first, c_last, num_chunks, chunk_len,
-                   vocab, temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, partial_ptr, chunk_stats_ptr,
-                   workspace_ptr, k,
+                   vocab, temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, partial_ptr, workspace_ptr, k,
                    t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
                    SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr,
                    SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr):
@@ -463,12 +454,12 @@ def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, num_programs, c_first,
         slot_ptr = workspace_ptr + 2 * g
         if r <= k:
             _span_filter_tl(target_ptr + b * t_stride_b + r * t_stride_i, c_first, c_last, chunk_len, vocab, t, m,
-                            lo, min_e, searched, candidates, slot_ptr, partial_ptr + g * num_chunks,
-                            chunk_stats_ptr + g * num_chunks * 4, CAP, BLOCK_V, NUM_STAGES)
+                            lo, min_e, searched, candidates, slot_ptr, partial_ptr + g * num_chunks, CAP, BLOCK_V,
+                            NUM_STAGES)
         else:
             _span_filter_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, c_first, c_last, chunk_len,
                             vocab, t, m, lo, min_e, searched, candidates, slot_ptr, partial_ptr + g * num_chunks,
-                            chunk_stats_ptr + g * num_chunks * 4, CAP, BLOCK_V, NUM_STAGES)
+                            CAP, BLOCK_V, NUM_STAGES)
         tl.debug_barrier()  # every thread's candidates and masses are stored before the ticket publishes them
         if take_ticket_tl(workspace_ptr + 2 * g + 1) == num_programs - 1:
             reset_ticket_tl(workspace_ptr + 2 * g + 1)
@@ -504,8 +495,7 @@ def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, num_programs, c_first,
 @triton.jit
 def _filter_kernel(
     target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, candidates_ptr,
-    partial_ptr, chunk_stats_ptr, workspace_ptr, k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request,
-    t_stride_b,
+    partial_ptr, workspace_ptr, k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request, t_stride_b,
     t_stride_i, d_stride_b, d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
     HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -526,9 +516,9 @@ def _filter_kernel(
     min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
     _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, tl.num_programs(1), c_first,
                    tl.minimum(c_first + chunks_per_program, num_chunks), num_chunks, chunk_len, vocab, temperature,
-                   top_k, top_p, min_e, stats_ptr, candidates_ptr, partial_ptr, chunk_stats_ptr, workspace_ptr, k,
-                   t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP,
-                   SMALL_CAP, BLOCK_C)
+                   top_k, top_p, min_e, stats_ptr, candidates_ptr, partial_ptr, workspace_ptr, k, t_stride_b,
+                   t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP,
+                   BLOCK_C)
 
 @triton.jit
 def _prob_tl(x, t, m, tau, mass, min_e):
@@ -989,7 +979,7 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     )
     if not fused_filter:
         _filter_kernel[grid](
-            target, draft, *params, stats, candidates, kept_mass, partial, workspace, *common,
+            target, draft, *params, stats, candidates, kept_mass, workspace, *common,
             HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"], BLOCK_C=block_c,
             **search, num_warps=geometry["stats_num_warps"],
         )
