@@ -73,8 +73,8 @@ def main() -> int:
         for chunk_is_block in (True, False) if logits else (True,):
             ok &= compile_variant(kernels._block_residual_kernel,
                                   {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits,
-                                   "CHUNK_IS_BLOCK": chunk_is_block, "BLOCK_K": 8, "BLOCK_V": GEOMETRY["stats_block_v"], "BLOCK_C": 16,
-                                   "NUM_STAGES": GEOMETRY["num_stages"]},
+                                   "CHUNK_IS_BLOCK": chunk_is_block, "BLOCK_K": 8, "BLOCK_V": GEOMETRY["stats_block_v"],
+                                   "BLOCK_C": 16, "NUM_STAGES": GEOMETRY["num_stages"]},
                                   f"_block_residual_kernel(draft_probs={probs}, draft_logits={logits}, "
                                   f"chunk_is_block={chunk_is_block})",
                                   {"target_ptr": "*fp32"})
