@@ -707,15 +707,10 @@ def _block_residual_kernel(
     q_row = q_ptr + b * q_stride_b
     if (~greedy) & (row < k):
         w_row = _pick_tl(weights, i, row)
-        rm = _pick_tl(m, i, row)
-        rtau = _pick_tl(tau, i, row)
-        rmass = _pick_tl(mass, i, row)
-        rqm = _pick_tl(qm, i, row)
-        rqtau = _pick_tl(qtau, i, row)
-        rqmass = _pick_tl(qmass, i, row)
-        draft_row = tl.max(tl.where((i == row) & valid, draft, -1), axis=0)
-        p_base = t_row + row.to(tl.int64) * t_stride_i
-        q_base = q_row + row.to(tl.int64) * q_stride_i
+        # The row's statistics, draft id and pointers, as a race at that row reads them (its stream goes unused).
+        (rm, rtau, rmass, rqm, rqtau, rqmass, draft_row, _, p_base, q_base) = _race_row_tl(
+            i, row, k, m, tau, mass, qm, qtau, qmass, draft, valid, seed, offset, t_row, q_row, t_stride_i,
+            q_stride_i)
         first = part * chunks_per_program
         last = tl.minimum(first + chunks_per_program, num_chunks)
         partial_row = partial_ptr + (b * k + row) * num_chunks
