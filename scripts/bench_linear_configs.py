@@ -94,6 +94,7 @@ def sweep_linear(rows_list, names):
 
 
 def sweep_attention():
+    saved_min_split = attention.MIN_SPLIT_LEN
     dev = torch.device("cuda")
     heads, kv_heads, d, block = 32, 8, 64, 16
     for batch in (1, 8):
@@ -115,7 +116,7 @@ def sweep_attention():
                     q, caches[i % len(caches)], table, rows, positions, seq_lens, block, 0.125, query_len))
                 print(f"  attention batch {batch} query_len {query_len} ctx {context} min_split {min_split:3d} "
                       f"splits {plan['splits']:2d}: {us:6.2f} us", flush=True)
-    attention.MIN_SPLIT_LEN = 64
+    attention.MIN_SPLIT_LEN = saved_min_split
 
 
 def main():

@@ -114,6 +114,26 @@ def test_fused_layers_match_unfused_float32_cpu(monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
+def test_fused_layers_with_dense_attention_match_unfused_float32_cpu(monkeypatch):
+    """No paged cache (attn_metadata None: dense causal attention over one sequence): the fused projections with
+    the plain rotary, as a short prompt of a half-precision CUDA model runs them."""
+    config = LlamaConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                         intermediate_size=96, tie_word_embeddings=False)
+    model = LlamaModel(config, seed=4)
+    ids = torch.randint(0, config.vocab_size, (7,), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(7)
+    want = model.compute_logits(model(ids, positions))
+    fused_calls = []
+    original = llama_mod.DecoderLayer._forward_fused
+    monkeypatch.setattr(llama_mod.DecoderLayer, "_forward_fused",
+                        lambda self, *a: fused_calls.append(1) or original(self, *a))
+    monkeypatch.setattr(linear_mod, "takes_kernel", lambda x, w: x.dim() == 2 and 0 < x.shape[0] <= 16)
+    monkeypatch.setattr(linear_mod, "fused_linear", linear_mod.small_batch_linear_triton)
+    got = model.compute_logits(model(ids, positions))
+    assert len(fused_calls) == config.num_layers
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows,query_len", [(1, 1), (1, 5), (8, 1), (3, 5)])
 def test_cuda_fused_step_compiled_in_a_graph_matches_unfused(rows, query_len, monkeypatch):
@@ -137,11 +157,10 @@ def test_cuda_fused_step_compiled_in_a_graph_matches_unfused(rows, query_len, mo
     torch.cuda.synchronize()
     fused_caches = tuple(c.clone() for c in metadata.kv_caches)
 
-    def logits(m, dtype, fused):
+    def unfused_logits(m, dtype):
         own = metadata._replace(kv_caches=tuple(c.clone().to(dtype) for c in caches_before))
         with monkeypatch.context() as patch:
-            if not fused:
-                patch.setattr(linear_mod, "takes_kernel", lambda x, w: False)
+            patch.setattr(linear_mod, "takes_kernel", lambda x, w: False)
             with torch.no_grad():
                 return m.compute_logits(m(ids, positions, own)).float(), own.kv_caches
 
@@ -150,8 +169,8 @@ def test_cuda_fused_step_compiled_in_a_graph_matches_unfused(rows, query_len, mo
     with torch.no_grad():
         for a, b in zip(exact_model.parameters(), model.parameters()):
             a.copy_(b)
-    unfused, unfused_caches = logits(model, torch.bfloat16, fused=False)
-    exact, _ = logits(exact_model, torch.float32, fused=False)
+    unfused, unfused_caches = unfused_logits(model, torch.bfloat16)
+    exact, _ = unfused_logits(exact_model, torch.float32)
     err_fused = (out.float() - exact).abs().max().item()
     err_unfused = (unfused - exact).abs().max().item()
     assert err_fused <= 2 * err_unfused + 1e-3 * exact.abs().max().item(), (err_fused, err_unfused)

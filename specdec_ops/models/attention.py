@@ -322,6 +322,15 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     return out
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style rotation of x [T, heads, head_size] by per-token angles (cos, sin [T, head_size / 2]), computed in
+    cos's dtype and rounded once to x's."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].to(cos.dtype), x[..., half:].to(cos.dtype)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
 def rope_write_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                             slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """Rotary embedding of q and k and the cache write of k and v, as the model's unfused path computes them.
@@ -333,15 +342,8 @@ def rope_write_kv_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
     """
     tokens, d = qkv.shape[0], kv_cache.shape[3]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
-
-    def rotate(x):
-        half = d // 2
-        x1, x2 = x[..., :half].to(cos.dtype), x[..., half:].to(cos.dtype)
-        c, s = cos[:, None, :], sin[:, None, :]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-    q = rotate(q.reshape(tokens, num_heads, d))
-    k = rotate(k.reshape(tokens, num_kv_heads, d))
+    q = apply_rotary(q.reshape(tokens, num_heads, d), cos, sin)
+    k = apply_rotary(k.reshape(tokens, num_kv_heads, d), cos, sin)
     kv_cache.index_put_((slot_mapping,), torch.stack((k, v.reshape(tokens, num_kv_heads, d)), dim=1).to(kv_cache.dtype))
     return q
 

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from . import attention as _attention
+from .attention import apply_rotary
 from . import linear as _linear
 from .linear import linear
 from .interface import AttentionMetadata, KVCacheSpec
@@ -141,14 +142,6 @@ class RMSNorm(nn.Module):
         x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return x32.to(x.dtype) * self.weight
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX-style rotation of x [T, heads, head_size] by per-token angles (cos, sin [T, head_size / 2])."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].to(cos.dtype), x[..., half:].to(cos.dtype)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
