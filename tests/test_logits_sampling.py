@@ -514,11 +514,13 @@ def test_triton_row_sums_do_not_depend_on_the_batch():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_triton_chunks_per_program_do_not_change_results():
+@pytest.mark.parametrize("num_chunks", [5, 10], ids=["two_block_chunks", "one_block_chunks"])
+def test_triton_chunks_per_program_do_not_change_results(num_chunks):
     """The statistics and filter passes give a program several consecutive chunks, as many as the batch size calls
     for: each chunk's partial is still its own and the row's last program combines them in chunk order, so logprobs
-    (S) and tokens are bit for bit the same for 1, 2 or all chunks per program, with the filter pass fused or not
-    (filtered, min-p and plain rows; V = 150 in 5 chunks of two blocks), token-wise and block verification."""
+    (S) and tokens are bit for bit the same for 1, 2, 3 or all chunks per program, with the filter pass fused or not
+    (filtered, min-p and plain rows), token-wise and block verification. V = 150 in blocks of 16: 5 chunks of two
+    blocks (the online-sum loop), or 10 chunks of one block, the last one short (CHUNK_IS_BLOCK, the GPU's path)."""
     gen = torch.Generator().manual_seed(77)
     args = list(make_case(78, 3, 2, 150, draft="logits"))
     args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
@@ -526,16 +528,21 @@ def test_triton_chunks_per_program_do_not_change_results():
     args[5] = torch.tensor([7, 0, 0])
     args[6] = torch.tensor([0.8, 1.0, 1.0])
     args[7] = torch.tensor([0.0, 0.1, 0.0])
+    launch = dict(block_v=16, num_chunks=num_chunks)
+    assert kernels._statistics_plan(150, torch.device("cpu"), 16, num_chunks)[1] == 16 * (10 // num_chunks)
     for block in (False, True):  # block verification's residual pass takes the same grid
-        check_against_reference(run_triton, tuple(args), block, block_v=16, num_chunks=5, chunks_per_program=1,
-                                fused_filter=False)
-        one_chunk, one_chunk_lp = run_triton(tuple(args), block, logprobs=True, block_v=16, num_chunks=5,
-                                             chunks_per_program=1, fused_filter=False)
-        for chunks_per_program, fused in ((2, False), (5, True), (3, True)):
-            out, lp = run_triton(tuple(args), block, logprobs=True, block_v=16, num_chunks=5,
-                                 chunks_per_program=chunks_per_program, fused_filter=fused)
+        expected, expected_lp = reference(tuple(args), block, logprobs=True)
+        one_chunk, one_chunk_lp = run_triton(tuple(args), block, logprobs=True, chunks_per_program=1,
+                                             fused_filter=False, **launch)
+        assert torch.equal(one_chunk, expected)
+        torch.testing.assert_close(one_chunk_lp, expected_lp, **LOGPROB_TOL)
+        for chunks_per_program, fused in ((2, False), (num_chunks, True), (3, True)):
+            out, lp = run_triton(tuple(args), block, logprobs=True, chunks_per_program=chunks_per_program,
+                                 fused_filter=fused, **launch)
             assert torch.equal(out, one_chunk)
             assert torch.equal(lp, one_chunk_lp)
+    if not HAS_CUDA:
+        assert scratch_is_zeroed()
 
 
 @pytest.mark.parametrize("params", ["off", "filters"])
