@@ -256,7 +256,7 @@ def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t,
                    CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
                    NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
     """Chunks c_first .. c_last - 1 of row g: each chunk's statistics into partial [g, c, 4] (and its histogram
-    into hist [g, c, NUM_BINS]), computed from that chunk alone, so whichever program computes it."""
+    into hist [g, c, NUM_BINS]), computed from that chunk alone, so the same whichever program computes it."""
     if CHUNK_IS_BLOCK:
         # One block per chunk: the chunk loop itself is pipelined (the next chunks' loads in flight).
         for c in tl.range(c_first, c_last, num_stages=NUM_STAGES):
@@ -962,6 +962,7 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
         fused_filter = geometry["fused_filter"] == 1 or (geometry["fused_filter"] == 2 and programs == 1)
     params = (temperature, top_k, top_p, min_p)
     param_strides = (temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0))
+    # The interpreter's cap is small (_gather_cap); a quarter of it keeps both sorts in the CPU tests.
     search = dict(SEARCH_BLOCK=min(geometry["search_block"], block_v), NUM_PROBES=geometry["num_probes"], CAP=cap,
                   SMALL_CAP=max(1, min(cap, geometry["small_cap"] if device.type == "cuda" else cap // 4)))
     grid = (rows, programs)
