@@ -89,6 +89,18 @@ def paged_batch(model, rows, query_len, context, block_size=4, seed=0, device="c
     return ids.to(device), positions.to(device), metadata
 
 
+def force_fused_layers(monkeypatch) -> list:
+    """Sends a CPU float32 model's layers of up to 16 tokens down the fused path, its kernels in the interpreter;
+    returns the list that counts the fused layer calls."""
+    fused_calls = []
+    original = llama_mod.DecoderLayer._forward_fused
+    monkeypatch.setattr(llama_mod.DecoderLayer, "_forward_fused",
+                        lambda self, *a: fused_calls.append(1) or original(self, *a))
+    monkeypatch.setattr(linear_mod, "takes_kernel", lambda x, w: x.dim() == 2 and 0 < x.shape[0] <= 16)
+    monkeypatch.setattr(linear_mod, "fused_linear", linear_mod.small_batch_linear_triton)
+    return fused_calls
+
+
 def test_fused_layers_match_unfused_float32_cpu(monkeypatch):
     # A float32 model with q/k/v bias; the fused path with its kernels in the interpreter.
     config = LlamaConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -99,12 +111,7 @@ def test_fused_layers_match_unfused_float32_cpu(monkeypatch):
     want = model.compute_logits(model(ids, positions, metadata))
     want_caches = metadata.kv_caches
 
-    fused_calls = []
-    original = llama_mod.DecoderLayer._forward_fused
-    monkeypatch.setattr(llama_mod.DecoderLayer, "_forward_fused",
-                        lambda self, *a: fused_calls.append(1) or original(self, *a))
-    monkeypatch.setattr(linear_mod, "takes_kernel", lambda x, w: x.dim() == 2 and 0 < x.shape[0] <= 16)
-    monkeypatch.setattr(linear_mod, "fused_linear", linear_mod.small_batch_linear_triton)
+    fused_calls = force_fused_layers(monkeypatch)
     monkeypatch.setattr(attention_mod, "rope_write_kv", rope_write_kv_triton)
     metadata = metadata._replace(kv_caches=tuple(c.clone() for c in caches_before))
     got = model.compute_logits(model(ids, positions, metadata))
@@ -123,12 +130,7 @@ def test_fused_layers_with_dense_attention_match_unfused_float32_cpu(monkeypatch
     ids = torch.randint(0, config.vocab_size, (7,), generator=torch.Generator().manual_seed(4))
     positions = torch.arange(7)
     want = model.compute_logits(model(ids, positions))
-    fused_calls = []
-    original = llama_mod.DecoderLayer._forward_fused
-    monkeypatch.setattr(llama_mod.DecoderLayer, "_forward_fused",
-                        lambda self, *a: fused_calls.append(1) or original(self, *a))
-    monkeypatch.setattr(linear_mod, "takes_kernel", lambda x, w: x.dim() == 2 and 0 < x.shape[0] <= 16)
-    monkeypatch.setattr(linear_mod, "fused_linear", linear_mod.small_batch_linear_triton)
+    fused_calls = force_fused_layers(monkeypatch)
     got = model.compute_logits(model(ids, positions))
     assert len(fused_calls) == config.num_layers
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
