@@ -54,6 +54,15 @@ def _load_x(x_ptrs, kk, row_mask, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _load_k(ptrs, in_k, EVEN_K: tl.constexpr):
+    """The entries at ptrs in their own dtype, 0 where in_k is off (columns past K); unmasked when K is a multiple
+    of BLOCK_K."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=in_k, other=0.0)
+
+
+@triton.jit
 def _normalize(x, rstd, norm_w_ptr, kk, K, EVEN_K: tl.constexpr, DTYPE: tl.constexpr):
     """RMSNorm of an x tile as the model computes it: (x * rstd) rounded to the model dtype, times the norm
     weight, rounded again."""
@@ -98,10 +107,7 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, bias_ptr, res_
         if NORM:
             squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                if EVEN_K:
-                    x = tl.load(x_ptr + k0 + k).to(tl.float32)
-                else:
-                    x = tl.load(x_ptr + k0 + k, mask=k0 + k < K, other=0.0).to(tl.float32)
+                x = _load_k(x_ptr + k0 + k, k0 + k < K, EVEN_K).to(tl.float32)
                 squares += x * x
             # eps arrives as float64 from inductor: the statistic stays float32.
             rstd = tl.rsqrt((tl.sum(squares, axis=0) / K + eps).to(tl.float32))
@@ -109,22 +115,13 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, bias_ptr, res_
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + k
-            if EVEN_K:
-                w = tl.load(w_rows + kk[None, :])
-            else:
-                w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
-            if EVEN_K:
-                x = tl.load(x_ptr + kk).to(tl.float32)
-            else:
-                x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            w = _load_k(w_rows + kk[None, :], (kk < K)[None, :], EVEN_K)
+            x = _load_k(x_ptr + kk, kk < K, EVEN_K).to(tl.float32)
             if NORM:
                 x = _normalize(x, rstd, norm_w_ptr, kk, K, EVEN_K, dtype)
             acc += w.to(tl.float32) * x[None, :]
             if GATED:
-                if EVEN_K:
-                    w_up = tl.load(up_rows + kk[None, :])
-                else:
-                    w_up = tl.load(up_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                w_up = _load_k(up_rows + kk[None, :], (kk < K)[None, :], EVEN_K)
                 acc_up += w_up.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
         y_up = tl.sum(acc_up, axis=1)
@@ -144,10 +141,7 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, bias_ptr, res_
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + k
-            if EVEN_K:
-                w = tl.load(w_rows + kk[None, :])
-            else:
-                w = tl.load(w_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+            w = _load_k(w_rows + kk[None, :], (kk < K)[None, :], EVEN_K)
             if NORM:
                 x = _load_x(x_rows + kk[None, :], kk[None, :], m_mask[:, None], K, EVEN_K)
                 x = _normalize(x, rstd, norm_w_ptr, kk[None, :], K, EVEN_K, dtype).to(dtype)
@@ -160,10 +154,7 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, bias_ptr, res_
             else:
                 acc += tl.dot(x, tl.trans(w))
             if GATED:
-                if EVEN_K:
-                    w_up = tl.load(up_rows + kk[None, :])
-                else:
-                    w_up = tl.load(up_rows + kk[None, :], mask=(kk < K)[None, :], other=0.0)
+                w_up = _load_k(up_rows + kk[None, :], (kk < K)[None, :], EVEN_K)
                 if FP32:
                     acc_up += tl.dot(x, tl.trans(w_up), input_precision="ieee")
                 else:
