@@ -3,7 +3,9 @@ the Llama-3.2-1B projections with the fusions the model uses, and of the paged a
 
 Each timing is a CUDA graph of CALLS launches cycling over enough weight copies (> 2x the H200's 50 MB L2) that
 every launch streams its weight from HBM; GPU time per launch, median of 5 replays. Prints one line per
-(projection, rows, tiling): microseconds and the weight's bandwidth in TB/s.
+(projection, rows, tiling): microseconds and the weight's bandwidth in TB/s. On Hopper the one-row launches use
+dependent launch (models/dependent_launch.py), so consecutive launches overlap as they do in a model step; set
+SPECDEC_PDL=0 for figures comparable with runs before it.
 
     python scripts/bench_linear_configs.py            # H200, bf16 (about a minute of kernel compiles)
     options: --rows 1 5 8 --attention --projections qkv+norm ...

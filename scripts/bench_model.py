@@ -189,6 +189,9 @@ def hf_decode_ms(hf, batch: int, context: int, compile_it: bool, device, quick: 
     iters, warmup = (3, 1) if quick else (20, 3)
     timer = median_ms if device.type == "cuda" else _cpu_ms
     if compile_it:
+        # transformers 5 allocates a StaticCache's tensors in its first forward: an eager step first keeps them
+        # outside the compiled graph (inside it they would be CUDA-graph outputs, overwritten by the next replay).
+        eager()
         try:
             compiled = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
 

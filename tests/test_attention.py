@@ -112,7 +112,7 @@ def test_tokens_of_one_row_need_not_be_contiguous():
 
 
 def test_op_traces_fullgraph_and_matches_reference():
-    # The triton_op dispatches to the reference off CUDA; compiling it must trace in one graph either way.
+    # The custom op dispatches to the reference off CUDA; compiling it must trace in one graph either way.
     from specdec_ops.models import paged_attention
 
     batch, live = make_batch(query_lens=[2, 3], context_lens=[4, 9], heads=4, kv_heads=2, head_size=16,

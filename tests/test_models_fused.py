@@ -180,3 +180,43 @@ def test_cuda_fused_step_compiled_in_a_graph_matches_unfused(rows, query_len, mo
     for a, b in zip(fused_caches, unfused_caches):
         # The cache rows written differ by the projections' rounding only.
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_dependent_launch_only_on_cuda():
+    from specdec_ops.models import dependent_launch
+    assert dependent_launch.launch_options(torch.device("cpu")) == {"USE_PDL": False}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows,query_len", [(1, 1), (2, 5)])
+def test_cuda_dependent_launch_changes_no_bit(rows, query_len, monkeypatch):
+    """The same compiled bf16 step captured twice, with programmatic dependent launch (the default on Hopper) and
+    with SPECDEC_PDL=0: identical logits and caches over several replays (where a missing wait may show as a
+    race)."""
+    from specdec_ops.models import dependent_launch
+    config = LlamaConfig(vocab_size=2048, hidden_size=1024, num_layers=3, num_heads=16, num_kv_heads=4,
+                         intermediate_size=4096, tie_word_embeddings=True, dtype=torch.bfloat16)
+    model = LlamaModel(config, device="cuda", seed=1)
+    ids, positions, metadata = paged_batch(model, rows, query_len, context=200, block_size=16, device="cuda")
+    caches_before = tuple(c.clone() for c in metadata.kv_caches)
+    step = torch.compile(lambda: model.compute_logits(model(ids, positions, metadata)), fullgraph=True,
+                         dynamic=False)
+
+    def replayed(pdl: str):
+        monkeypatch.setenv(dependent_launch.ENV_VAR, pdl)
+        assert dependent_launch.enabled(ids.device) == (pdl == "1" and torch.cuda.get_device_capability()[0] >= 9)
+        graph, out = capture_graph(step)
+        results = []
+        for _ in range(3):
+            for c, before in zip(metadata.kv_caches, caches_before):
+                c.copy_(before)
+            with sync_forbidden():
+                graph.replay()
+            torch.cuda.synchronize()
+            results.append((out.clone(), tuple(c.clone() for c in metadata.kv_caches)))
+        return results
+
+    with_pdl, without = replayed("1"), replayed("0")
+    for (logits_a, caches_a), (logits_b, caches_b) in zip(with_pdl, without):
+        assert torch.equal(logits_a, logits_b)
+        assert all(torch.equal(a, b) for a, b in zip(caches_a, caches_b))

@@ -190,3 +190,17 @@ def test_fused_op_traces_and_its_fake_runs():
                           (x, w, norm_w, 1e-5, None, residual[:, :8], True),
                           test_utils=("test_schema", "test_faketensor"))
 
+
+
+def test_fused_op_output_is_contiguous_like_its_fake():
+    # A strided residual: the CPU path's residual + y would take its layout; the op returns what its fake says
+    # (contiguous), so a compiled graph's size/stride assertion holds.
+    op = torch.ops.specdec_models.small_batch_linear_fused
+    x, w, _, _, residual = fused_inputs(5, 8, 32)
+    strided = residual.T.contiguous().T
+    assert not strided.is_contiguous()
+    eager = op(x, w, None, 1e-5, None, strided, False)
+    assert eager.is_contiguous()
+    compiled = torch.compile(lambda *a: op(*a), fullgraph=True, dynamic=False)(x, w, None, 1e-5, None, strided, False)
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+    torch.testing.assert_close(eager, fused_linear_reference(x, w, residual=strided), atol=0, rtol=0)

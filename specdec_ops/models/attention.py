@@ -18,16 +18,19 @@ where context position c of token t lives at cache slot
   a tile that straddles rows (ragged prefill) takes each of its tokens in turn. Long contexts with few programs
   are split (flash-decoding) and the partial results combined by a second kernel. A token with no visible
   position gets zeros.
-- `torch.ops.specdec_models.paged_attention`: the op models call; a `torch.library.triton_op`, so
-  torch.compile(fullgraph=True) traces into the kernels and CUDA graphs capture them. Off CUDA, and for dtypes
-  other than float32/float16/bfloat16, it runs the reference.
+- `torch.ops.specdec_models.paged_attention`: the op models call; a `torch.library.custom_op` with a fake kernel,
+  so torch.compile(fullgraph=True) traces it as one node and CUDA graphs capture its launches (with dependent
+  launch on Hopper, dependent_launch.py). Off CUDA, and for dtypes other than float32/float16/bfloat16, it runs
+  the reference.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+
+from . import dependent_launch
+from .dependent_launch import release_dependents, wait_for_producers
 
 # What the kernel takes (it accumulates in float32); other dtypes run the reference.
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -126,7 +129,7 @@ def _attend_range(acc, m_i, l_i, q, kv_head, row, limit, active, start, end,
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = (s * scale).to(tl.float32)  # inductor passes Python floats to user kernels as float64
+        s = s * scale
         visible = (c[None, :] < limit[:, None]) & active[:, None]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -168,7 +171,9 @@ def _paged_attention_kernel(
         stride_out_token, stride_out_head, scale,
         GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, TILE_TOKENS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        FP32: tl.constexpr):
+        FP32: tl.constexpr, USE_PDL: tl.constexpr):
+    release_dependents(USE_PDL)
+    wait_for_producers(USE_PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -225,7 +230,9 @@ def _paged_attention_kernel(
 def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, num_tokens, num_heads,
                            stride_out_token, stride_out_head,
                            HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           BLOCK_S: tl.constexpr):
+                           BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+    release_dependents(USE_PDL)
+    wait_for_producers(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -304,7 +311,8 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         part_sum = torch.empty((splits, tokens, heads), dtype=torch.float32, device=q.device)
     else:
         part_acc = part_max = part_sum = out  # unused
-    wrap_triton(_paged_attention_kernel)[(plan["tiles"], kv_heads, splits)](
+    launch_kwargs = dependent_launch.launch_options(q.device)
+    _paged_attention_kernel[(plan["tiles"], kv_heads, splits)](
         q, kv_cache, block_tables, token_rows, positions, seq_lens,
         out, part_acc, part_max, part_sum,
         tokens, heads, block_tables.shape[0], context_len, plan["split_len"],
@@ -313,12 +321,13 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
         block_tables.stride(0), out.stride(0), out.stride(1), float(scale),
         GROUP=plan["group"], HEAD_SIZE=head_size, BLOCK_D=plan["block_d"], TILE_TOKENS=plan["tile_tokens"],
         BLOCK_M=plan["block_m"], BLOCK_N=plan["block_n"], BLOCK_SIZE=block_size, NUM_SPLITS=splits,
-        FP32=q.dtype == torch.float32, num_warps=plan["num_warps"], num_stages=plan["num_stages"])
+        FP32=q.dtype == torch.float32, num_warps=plan["num_warps"], num_stages=plan["num_stages"],
+        **launch_kwargs)
     if splits > 1:
-        wrap_triton(_combine_splits_kernel)[(tokens, heads)](
+        _combine_splits_kernel[(tokens, heads)](
             part_acc, part_max, part_sum, out, tokens, heads, out.stride(0), out.stride(1),
             HEAD_SIZE=head_size, BLOCK_D=plan["block_d"], NUM_SPLITS=splits,
-            BLOCK_S=max(2, _next_power_of_2(splits)), num_warps=4)
+            BLOCK_S=max(2, _next_power_of_2(splits)), num_warps=4, **launch_kwargs)
     return out
 
 
@@ -353,8 +362,10 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_
                           stride_qkv, stride_cos, stride_sin, stride_slot, stride_kv, stride_head, stride_q_token,
                           stride_q_head,
                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                          BLOCK_H: tl.constexpr):
+                          BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per (token, head of q, k or v).
+    release_dependents(USE_PDL)
+    wait_for_producers(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     j = tl.arange(0, BLOCK_H)
@@ -423,16 +434,16 @@ def rope_write_kv_triton(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     q = torch.empty((tokens, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
         return q
-    wrap_triton(_rope_write_kv_kernel)[(tokens, num_heads + 2 * num_kv_heads)](
+    _rope_write_kv_kernel[(tokens, num_heads + 2 * num_kv_heads)](
         qkv, cos, sin, kv_cache, slot_mapping, q, kv_cache.shape[0],
         qkv.stride(0), cos.stride(0), sin.stride(0), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         q.stride(0), q.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=d // 2, BLOCK_H=max(16, _next_power_of_2(d // 2)),
-        num_warps=1)
+        num_warps=1, **dependent_launch.launch_options(qkv.device))
     return q
 
 
-@triton_op("specdec_models::rope_write_kv", mutates_args=("kv_cache",))
+@torch.library.custom_op("specdec_models::rope_write_kv", mutates_args=("kv_cache",))
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
     """Rotary q and k, k and v into the cache: the Triton kernel on CUDA, the reference elsewhere (arguments as
@@ -443,7 +454,13 @@ def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_ca
     return rope_write_kv_triton(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
 
 
-@triton_op("specdec_models::paged_attention", mutates_args=())
+@rope_write_kv.register_fake
+def _rope_write_kv_fake(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads):
+    _check_rope_inputs(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads)
+    return qkv.new_empty((qkv.shape[0], num_heads, kv_cache.shape[3]))
+
+
+@torch.library.custom_op("specdec_models::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     token_rows: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
                     block_size: int, scale: float, uniform_query_len: int) -> torch.Tensor:
@@ -454,3 +471,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                                          block_size, scale)
     return paged_attention_triton(q, kv_cache, block_tables, token_rows, positions, seq_lens, block_size,
                                   scale, uniform_query_len)
+
+
+@paged_attention.register_fake
+def _paged_attention_fake(q, kv_cache, block_tables, token_rows, positions, seq_lens, block_size, scale,
+                          uniform_query_len):
+    _check_inputs(q, kv_cache, block_tables, token_rows, positions, seq_lens, block_size)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -15,9 +15,12 @@ fused (`fused_linear_reference` states the math): the row's RMSNorm before the p
   normalizes each x tile as it loads it. Prologue and epilogue round where the unfused model stores an
   intermediate, so the two differ by float32 summation order only. The first pass costs little: applying 1 / rms
   to the accumulator instead measured no faster at one row and slower with tl.dot.
+- Dependent launch (dependent_launch.py): on Hopper a one-row program loads its first weight tile before it
+  waits for the previous kernel, so a projection's weight stream starts while the kernel before it finishes.
 - `torch.ops.specdec_models.small_batch_linear` and `torch.ops.specdec_models.small_batch_linear_fused`: the ops
-  models call; `torch.library.triton_op`s, so torch.compile(fullgraph=True) traces into the kernel and CUDA
-  graphs capture it. Off CUDA they are F.linear and the unfused math.
+  models call; `torch.library.custom_op`s with fake kernels, so torch.compile(fullgraph=True) traces them as one
+  node each and CUDA graphs capture their launches (a custom op, not a triton_op, so that the launch keeps its
+  dependent-launch attribute). Off CUDA they are F.linear and the unfused math.
 - `linear` and `fused_linear`: what the model calls: the ops for 1 to MAX_ROWS rows of a float16/bfloat16
   CUDA tensor (`takes_kernel`), F.linear and the unfused math otherwise (float32 models keep cuBLAS, whose
   results the CUDA tests compare exactly).
@@ -32,7 +35,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+
+from . import dependent_launch
+from .dependent_launch import release_dependents, wait_for_producers
 
 # Rows up to which `linear` takes the Triton kernel (the dot path pads the rows to 16).
 MAX_ROWS = 16
@@ -89,12 +94,36 @@ def _finish(y, y_up, col, col_mask, out_offsets, res_offsets, out_mask, out_ptr,
 
 
 @triton.jit
+def _weight_tile(w_rows, up_rows, kk, K, EVEN_K: tl.constexpr, GATED: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile at columns kk (and, gated, the up rows' tile; else w again)."""
+    w = _load_k(w_rows + kk[None, :], (kk < K)[None, :], EVEN_K)
+    w_up = w
+    if GATED:
+        w_up = _load_k(up_rows + kk[None, :], (kk < K)[None, :], EVEN_K)
+    return w, w_up
+
+
+@triton.jit
+def _one_row_step(acc, acc_up, w, w_up, x_ptr, norm_w_ptr, kk, K, rstd,
+                  EVEN_K: tl.constexpr, NORM: tl.constexpr, GATED: tl.constexpr, DTYPE: tl.constexpr):
+    """One K tile of the one-row product, elementwise into the float32 [BLOCK_N, BLOCK_K] accumulators."""
+    x = _load_k(x_ptr + kk, kk < K, EVEN_K).to(tl.float32)
+    if NORM:
+        x = _normalize(x, rstd, norm_w_ptr, kk, K, EVEN_K, DTYPE)
+    acc += w.to(tl.float32) * x[None, :]
+    if GATED:
+        acc_up += w_up.to(tl.float32) * x[None, :]
+    return acc, acc_up
+
+
+@triton.jit
 def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, bias_ptr, res_ptr,
                                M, N, K, stride_xm, stride_wn, stride_om, stride_rm, up_offset, eps,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                EVEN_K: tl.constexpr, ONE_ROW: tl.constexpr, FP32: tl.constexpr,
                                NORM: tl.constexpr, BIAS: tl.constexpr, GATED: tl.constexpr,
-                               RESIDUAL: tl.constexpr):
+                               RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+    release_dependents(USE_PDL)
     dtype: tl.constexpr = x_ptr.dtype.element_ty
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
@@ -103,30 +132,31 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, bias_ptr, res_
     up_rows = w_rows + up_offset
     k = tl.arange(0, BLOCK_K)
     if ONE_ROW:
+        # The first K tile of the weight is loaded before waiting for the previous kernels (with dependent launch
+        # the launcher takes this path only for a weight no running kernel writes), so that this projection's
+        # weight stream starts under them. The peeled tile costs registers (40 -> 48 for q/k/v) but measured no
+        # slower with dependent launch off.
+        w, w_up = _weight_tile(w_rows, up_rows, k, K, EVEN_K, GATED)
+        wait_for_producers(USE_PDL)
         rstd = 1.0
         if NORM:
             squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 x = _load_k(x_ptr + k0 + k, k0 + k < K, EVEN_K).to(tl.float32)
                 squares += x * x
-            # eps arrives as float64 from inductor: the statistic stays float32.
-            rstd = tl.rsqrt((tl.sum(squares, axis=0) / K + eps).to(tl.float32))
+            rstd = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + k
-            w = _load_k(w_rows + kk[None, :], (kk < K)[None, :], EVEN_K)
-            x = _load_k(x_ptr + kk, kk < K, EVEN_K).to(tl.float32)
-            if NORM:
-                x = _normalize(x, rstd, norm_w_ptr, kk, K, EVEN_K, dtype)
-            acc += w.to(tl.float32) * x[None, :]
-            if GATED:
-                w_up = _load_k(up_rows + kk[None, :], (kk < K)[None, :], EVEN_K)
-                acc_up += w_up.to(tl.float32) * x[None, :]
+        acc, acc_up = _one_row_step(acc, acc_up, w, w_up, x_ptr, norm_w_ptr, k, K, rstd, EVEN_K, NORM, GATED, dtype)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w, w_up = _weight_tile(w_rows, up_rows, k0 + k, K, EVEN_K, GATED)
+            acc, acc_up = _one_row_step(acc, acc_up, w, w_up, x_ptr, norm_w_ptr, k0 + k, K, rstd, EVEN_K, NORM,
+                                        GATED, dtype)
         y = tl.sum(acc, axis=1)
         y_up = tl.sum(acc_up, axis=1)
         _finish(y, y_up, n, n_mask, n, n, n_mask, out_ptr, bias_ptr, res_ptr, dtype, BIAS, GATED, RESIDUAL)
     else:
+        wait_for_producers(USE_PDL)
         m = tl.arange(0, BLOCK_M)
         m_mask = m < M
         x_rows = x_ptr + tl.where(m_mask, m, 0).to(tl.int64)[:, None] * stride_xm
@@ -136,7 +166,7 @@ def _small_batch_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, bias_ptr, res_
             for k0 in range(0, K, BLOCK_K):
                 x = _load_x(x_rows + (k0 + k)[None, :], (k0 + k)[None, :], m_mask[:, None], K, EVEN_K)
                 squares += x * x
-            rstd = tl.rsqrt((tl.sum(squares, axis=1) / K + eps).to(tl.float32))[:, None]
+            rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -205,12 +235,17 @@ def small_batch_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, norm_wei
                               config: dict | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS) @ weight [N, K].T through the Triton kernel; float16, bfloat16 or float32.
     Returns [M, N] in x's dtype (with gated, [M, N / 2]); the optional parts are those of
-    `fused_linear_reference`. config: a `launch_config` dict to use instead of the shape's own (benchmarks)."""
+    `fused_linear_reference`. config: a `launch_config` dict to use instead of the shape's own (benchmarks).
+    With dependent launch (one row, Hopper) the kernel reads the start of a contiguous weight before the kernels
+    queued ahead of it finish: no kernel still running may write the weight (a model's weights never change
+    during a step)."""
     _check_inputs(x, weight)
     _check_fused(x, weight, norm_weight, bias, residual, gated)
     rows, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    # The kernel reads all of them with unit stride along the last dimension.
+    # The kernel reads all of them with unit stride along the last dimension. A weight copied here is written by
+    # the kernel just before this one: that launch does not read it early (no dependent launch).
+    weight_in_place = weight.is_contiguous()
     x, weight = x.contiguous(), weight.contiguous()
     norm_weight = None if norm_weight is None else norm_weight.contiguous()
     bias = None if bias is None else bias.contiguous()
@@ -223,7 +258,7 @@ def small_batch_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, norm_wei
         return fused_linear_reference(x, weight, norm_weight=norm_weight, eps=eps, bias=bias, residual=residual,
                                       gated=gated)
     config = config or launch_config(rows, n, k, gated=gated, norm=norm_weight is not None)
-    wrap_triton(_small_batch_linear_kernel)[(triton.cdiv(n, config["block_n"]),)](
+    _small_batch_linear_kernel[(triton.cdiv(n, config["block_n"]),)](
         x, weight, out, x if norm_weight is None else norm_weight, x if bias is None else bias,
         x if residual is None else residual,
         rows, n, k, x.stride(0), weight.stride(0), out.stride(0), 0 if residual is None else residual.stride(0),
@@ -231,7 +266,9 @@ def small_batch_linear_triton(x: torch.Tensor, weight: torch.Tensor, *, norm_wei
         BLOCK_M=16, BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], EVEN_K=config["even_k"],
         ONE_ROW=config["one_row"], FP32=x.dtype == torch.float32, NORM=norm_weight is not None,
         BIAS=bias is not None, GATED=gated, RESIDUAL=residual is not None,
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+        # The tl.dot path launches in stream order: with dependent launch a verify step measured 30 % slower.
+        **dependent_launch.launch_options(x.device, dependent=config["one_row"] and weight_in_place))
     return out
 
 
@@ -276,7 +313,7 @@ def _check_fused(x, weight, norm_weight, bias, residual, gated) -> None:
         raise ValueError("fused linear: a gated projection takes no bias")
 
 
-@triton_op("specdec_models::small_batch_linear", mutates_args=())
+@torch.library.custom_op("specdec_models::small_batch_linear", mutates_args=())
 def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T: the Triton kernel on CUDA, F.linear elsewhere (arguments as
     `small_batch_linear_triton`)."""
@@ -286,7 +323,13 @@ def small_batch_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return small_batch_linear_triton(x, weight)
 
 
-@triton_op("specdec_models::small_batch_linear_fused", mutates_args=())
+@small_batch_linear.register_fake
+def _small_batch_linear_fake(x, weight):
+    _check_inputs(x, weight)
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+@torch.library.custom_op("specdec_models::small_batch_linear_fused", mutates_args=())
 def small_batch_linear_fused(x: torch.Tensor, weight: torch.Tensor, norm_weight: Optional[torch.Tensor],
                              eps: float, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor],
                              gated: bool) -> torch.Tensor:
@@ -295,10 +338,18 @@ def small_batch_linear_fused(x: torch.Tensor, weight: torch.Tensor, norm_weight:
     if x.device.type != "cuda":
         _check_inputs(x, weight)
         _check_fused(x, weight, norm_weight, bias, residual, gated)
+        # Contiguous, as the fake says (residual + y would take a strided residual's layout).
         return fused_linear_reference(x, weight, norm_weight=norm_weight, eps=eps, bias=bias, residual=residual,
-                                      gated=gated)
+                                      gated=gated).contiguous()
     return small_batch_linear_triton(x, weight, norm_weight=norm_weight, eps=eps, bias=bias, residual=residual,
                                      gated=gated)
+
+
+@small_batch_linear_fused.register_fake
+def _small_batch_linear_fused_fake(x, weight, norm_weight, eps, bias, residual, gated):
+    _check_inputs(x, weight)
+    _check_fused(x, weight, norm_weight, bias, residual, gated)
+    return x.new_empty((x.shape[0], weight.shape[0] // 2 if gated else weight.shape[0]))
 
 
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
