@@ -22,6 +22,11 @@ When the models package provides `load_model` (Hugging Face checkpoints), the we
 with ``assistant_model`` = its own first layers, k constant) runs on the same weights at batch 1. Otherwise the
 transformers rows are skipped.
 
+A batch size is its number of slots. By default as many requests as slots run, one wave: the run lasts as long
+as its slowest request, and rows whose requests finished idle (the table's row occupancy). With
+``--requests-per-slot R``, R times as many requests queue and continuous batching admits one into each slot that
+frees up, the steady state of a server; the target-only run gets the same queue.
+
 Per batch size, each path is warmed up (rounds compiled and captured, prefill graphs captured, then one short
 untimed generate of the same prompts, which JIT-compiles the admission's eager kernels at these shapes) and then
 timed over one generate call of all the batch's requests, admissions included. Reported: tokens/s of each path; alpha (accepted / tested drafts); c = draft step time / target step time,
@@ -71,6 +76,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy requests verified by greedy_verify; > 0: every request samples at this "
                         "temperature (seed = its index) and speculation verifies by rejection sampling")
+    p.add_argument("--requests-per-slot", type=int, default=1,
+                   help="requests per batch slot (default 1: one wave of `batch` requests; more: a queue that "
+                        "continuous batching admits into the slots that finish, the steady state of a server)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     p.add_argument("--full-split", nargs="?", const="all", default=None,
                    help="also time the target and verification parts (at these comma-separated batch sizes, or all)")
@@ -83,6 +91,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.k < 1:
         p.error("--k must be >= 1")
+    if args.requests_per_slot < 1:
+        p.error("--requests-per-slot must be >= 1")
     if not 0 < args.alpha < 1:
         p.error("--alpha must lie in (0, 1)")
     if not args.temperature >= 0 or args.temperature == float("inf"):
@@ -217,7 +227,7 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
     config = GeneratorConfig(num_speculative_tokens=k, method=method, max_num_reqs=batch,
                              max_model_len=max_model_len, block_size=16, batch_sizes=(batch,), read_every=8)
     requests = [Request(p, args.new_tokens, temperature=args.temperature, seed=i)
-                for i, p in enumerate(prompts[:batch])]
+                for i, p in enumerate(prompts[:batch * args.requests_per_slot])]
     full_split = args.full_split == "all" or (args.full_split and str(batch) in args.full_split.split(","))
     t0 = time.perf_counter()
     spec = Generator(target, draft, config, device=device, compile=compile)
@@ -302,7 +312,7 @@ def main(argv=None) -> int:
     print(f"models ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, shapes["vocab_size"], (args.prompt_len,), generator=gen).tolist()
-               for _ in range(max(batches))]
+               for _ in range(max(batches) * args.requests_per_slot)]
     rows, k = [], args.k
     for batch in batches:
         result = our_run(target, draft, args, batch, prompts, device, compile, damping, hf_damping)
@@ -313,7 +323,9 @@ def main(argv=None) -> int:
         measured = spec.tokens_per_s / plain.tokens_per_s
         same = sum(a.token_ids == b.token_ids for a, b in zip(result["spec"]["out"].requests,
                                                                result["plain"]["out"].requests))
-        row = dict(batch=batch, method=spec_method(args), **result["calibration"], plain_tokens_per_s=plain.tokens_per_s,
+        num_requests = batch * args.requests_per_slot
+        row = dict(batch=batch, requests=num_requests, method=spec_method(args), **result["calibration"],
+                   plain_tokens_per_s=plain.tokens_per_s,
                    spec_tokens_per_s=spec.tokens_per_s,
                    alpha=alpha, alpha_realistic=alpha is not None and 0.5 <= alpha <= 0.9,
                    acceptance_per_position=spec.acceptance_per_position, rounds=spec.rounds,
@@ -324,7 +336,7 @@ def main(argv=None) -> int:
                    mean_emitted_per_round=spec.mean_emitted_per_round, c=c, speedup=measured,
                    predicted_speedup=predicted, efficiency=measured / predicted, host_share=spec.host_share,
                    plain_host_share=plain.host_share, split_ms=result["spec"]["split"],
-                   plain_round_ms=result["plain"]["split"]["round"], identical_requests=f"{same}/{batch}" if args.temperature == 0 else "-",
+                   plain_round_ms=result["plain"]["split"]["round"], identical_requests=f"{same}/{num_requests}" if args.temperature == 0 else "-",
                    warm_up_s=result["spec"]["warm_up_s"] + result["plain"]["warm_up_s"])
         if batch == 1 and hf is not None:
             for mode in ("dynamic", "static", "assisted"):
@@ -338,6 +350,7 @@ def main(argv=None) -> int:
                         torch=torch.__version__, dtype=str(dtype), shapes=shapes, k=k, prompt_len=args.prompt_len,
                         new_tokens=args.new_tokens, draft_layers=args.draft_layers, calibration_alpha=args.alpha,
                         method=rows[-1]["method"], temperature=args.temperature,
+                        requests_per_slot=args.requests_per_slot,
                         compile=compile, rows=rows,
                         total_s=time.perf_counter() - started)
         print(markdown(document), file=sys.stderr, flush=True)  # what is done so far survives a time limit
@@ -360,7 +373,7 @@ def markdown(doc) -> str:
              f"prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, draft = target's first "
              f"{doc['draft_layers']} layers, {doc.get('method', 'greedy')} (the target's later layers damped by s, calibrated per batch on the "
              f"timed requests to an acceptance >= {doc['calibration_alpha']})", "",
-             "| batch | target-only tok/s | speculative tok/s | alpha (in 0.5-0.9) | mean emitted | c | speedup | "
+             "| batch (requests) | target-only tok/s | speculative tok/s | alpha (in 0.5-0.9) | mean emitted | c | speedup | "
              "predicted | efficiency | host share (admissions + waiting) | target-only host share | "
              "greedy identical | HF target-only tok/s (dynamic / static) | HF assisted tok/s | "
              "spec vs HF fastest target-only / assisted |",
@@ -369,7 +382,8 @@ def markdown(doc) -> str:
         fastest = max([v for v in (r.get("hf_dynamic_tokens_per_s"), r.get("hf_static_tokens_per_s")) if v],
                       default=None)
         lines.append(
-            f"| {r['batch']} | {f(r['plain_tokens_per_s'])} | {f(r['spec_tokens_per_s'])} | "
+            f"| {r['batch']} ({r.get('requests', r['batch'])}) | {f(r['plain_tokens_per_s'])} | "
+            f"{f(r['spec_tokens_per_s'])} | "
             f"{f(r['alpha'], '{:.3f}')} ({'yes' if r['alpha_realistic'] else 'no'}) "
             f"| {f(r['mean_emitted_per_round'], '{:.2f}')} | {f(r['c'], '{:.3f}')} | {f(r['speedup'], '{:.2f}x')} | "
             f"{f(r['predicted_speedup'], '{:.2f}x')} | {f(r['efficiency'], '{:.2f}')} | "
