@@ -551,3 +551,18 @@ def test_chunked_prefill_gives_the_same_tokens(target, draft, monkeypatch, joine
     out = Generator(target, draft, small_config(2), device="cpu", compile=False).generate(requests)
     assert [r.token_ids for r in out.requests] == want
     assert max(len(r.prompt_ids) for r in requests) > 6
+
+
+@pytest.mark.parametrize("read_every", [1, 3, 8])
+def test_speculative_runs_no_round_past_the_last_token(target, draft, read_every):
+    # Groups end by the first round at which a request could reach its cap (k + 1 tokens per round at most):
+    # one request that stops at its cap has a live row in every round, whatever its acceptance does.
+    k = 3
+    config = small_config(k, read_every=read_every, batch_sizes=(3,))
+    generator = Generator(target, draft, config, device="cpu", compile=False)
+    for prompt, new_tokens in (([1, 2, 3], 23), ([5, 9], 40)):
+        out = generator.generate([Request(prompt, new_tokens)])
+        assert out.requests[0].finish_reason == "max_tokens" and len(out.requests[0].token_ids) == new_tokens
+        assert out.metrics.rounds == out.metrics.row_rounds
+        assert out.metrics.rounds >= -(-(new_tokens - 1) // (k + 1))
+        assert 0 < out.metrics.acceptance_rate < 1  # drafts sometimes rejected: the rate per round varies

@@ -841,10 +841,10 @@ class _HostLoop:
     A group is n rounds (n <= read_every; n = 0 for a snapshot alone) and a snapshot of the device state. With
     config.overlap, the host keeps two groups queued: it launches the next group before it waits for the oldest
     one's snapshot, so the device runs a group while the host reads, retires, admits and launches. The last groups
-    are sized from what the live requests still need: a live row emits at least one token per round, and on
-    average what it has emitted per round so far, so a group never holds more rounds than the requests are
-    expected to need (a round with no live row costs as much as a full one), and a shortfall costs only one more,
-    shorter group.
+    are sized from what the live requests still need: a live row emits at most k + 1 tokens per round, so a group
+    ends no later than the first round at which the longest request could reach its cap, and no round runs past
+    a request's last token (a round with no live row costs as much as a full one); a request that emits less
+    costs one more, shorter group, and the device waits for the host between such groups.
     """
 
     def __init__(self, generator: Generator, prepared: list[_Prepared], progress):
@@ -856,7 +856,6 @@ class _HostLoop:
         self.free = list(range(generator.num_slots))
         self.live: dict[int, int] = {}  # slot -> request index
         self.admitted_after: dict[int, int] = {}  # slot -> groups launched before its admission
-        self.admitted_at: dict[int, int] = {}  # slot -> rounds launched before its admission
         self.known_length: dict[int, int] = {}  # slot -> its length as of the newest snapshot that covers it
         self.known_at: dict[int, int] = {}  # slot -> rounds launched before that snapshot
         self.in_flight: deque = deque()  # (group number, rounds launched through it, snapshot handle)
@@ -894,19 +893,19 @@ class _HostLoop:
         for slot, index in zip(slots, indices):
             self.live[slot] = index
             self.admitted_after[slot] = self.groups
-            self.admitted_at[slot] = self.known_at[slot] = self.rounds
+            self.known_at[slot] = self.rounds
             self.known_length[slot] = len(self.prepared[index].prompt) + 1
 
     def rounds_wanted(self) -> int:
-        """Rounds for the next group: read_every, or fewer when every live request is expected to stop sooner
-        (beyond the rounds already launched); <= 0 when none is expected to need another round."""
+        """Rounds for the next group: read_every, or fewer when every live request may stop sooner (beyond the
+        rounds already launched); <= 0 when none can need another round before the next snapshot."""
+        # A live row emits at most k + 1 tokens per round (one target-only): a group never outlasts the earliest
+        # round at which the request that needs the most rounds could reach its token cap.
+        most_per_round = self.g.k + 1 if self.g.speculative else 1
         need = 0
-        for slot, index in self.live.items():
+        for slot in self.live:
             remaining = self.g.cap_host[slot] - self.known_length[slot]
-            live_rounds = self.known_at[slot] - self.admitted_at[slot]
-            emitted = self.known_length[slot] - len(self.prepared[index].prompt) - 1
-            rate = max(1.0, emitted / live_rounds) if live_rounds else 1.0
-            need = max(need, math.ceil(remaining / rate) - (self.rounds - self.known_at[slot]))
+            need = max(need, math.ceil(remaining / most_per_round) - (self.rounds - self.known_at[slot]))
         return min(self.g.config.read_every, need)
 
     def launch(self, rounds: int) -> None:
