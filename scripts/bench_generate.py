@@ -382,7 +382,7 @@ def markdown(doc) -> str:
         fastest = max([v for v in (r.get("hf_dynamic_tokens_per_s"), r.get("hf_static_tokens_per_s")) if v],
                       default=None)
         lines.append(
-            f"| {r['batch']} ({r.get('requests', r['batch'])}) | {f(r['plain_tokens_per_s'])} | "
+            f"| {r['batch']} ({r['requests']}) | {f(r['plain_tokens_per_s'])} | "
             f"{f(r['spec_tokens_per_s'])} | "
             f"{f(r['alpha'], '{:.3f}')} ({'yes' if r['alpha_realistic'] else 'no'}) "
             f"| {f(r['mean_emitted_per_round'], '{:.2f}')} | {f(r['c'], '{:.3f}')} | {f(r['speedup'], '{:.2f}x')} | "

@@ -191,7 +191,6 @@ def test_fused_op_traces_and_its_fake_runs():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-
 def test_fused_op_output_is_contiguous_like_its_fake():
     # A strided residual: the CPU path's residual + y would take its layout; the op returns what its fake says
     # (contiguous), so a compiled graph's size/stride assertion holds.

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import dependent_launch
-from .dependent_launch import release_dependents, wait_for_producers
+from .dependent_launch import release_and_wait
 
 # What the kernel takes (it accumulates in float32); other dtypes run the reference.
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -172,8 +172,7 @@ def _paged_attention_kernel(
         GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, TILE_TOKENS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
         FP32: tl.constexpr, USE_PDL: tl.constexpr):
-    release_dependents(USE_PDL)
-    wait_for_producers(USE_PDL)
+    release_and_wait(USE_PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -231,8 +230,7 @@ def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, nu
                            stride_out_token, stride_out_head,
                            HEAD_SIZE: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
                            BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
-    release_dependents(USE_PDL)
-    wait_for_producers(USE_PDL)
+    release_and_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -364,8 +362,7 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_
                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                           BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per (token, head of q, k or v).
-    release_dependents(USE_PDL)
-    wait_for_producers(USE_PDL)
+    release_and_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     j = tl.arange(0, BLOCK_H)

@@ -70,3 +70,9 @@ def wait_for_producers(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
+
+@triton.jit
+def release_and_wait(USE_PDL: tl.constexpr):
+    """The start of a program that reads nothing before the wait: `release_dependents`, then `wait_for_producers`."""
+    release_dependents(USE_PDL)
+    wait_for_producers(USE_PDL)
