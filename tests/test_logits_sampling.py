@@ -938,3 +938,21 @@ def test_kernels_compile_for_sm90():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count(": ok (") == 19, result.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_one_block_chunks_mixed_greedy_rows():
+    """On one-block chunks (the GPU's path) the statistics pass computes the sum only for random rows and the argmax
+    only for greedy rows: a batch mixing both, filtered and not, equals the reference in both modes."""
+    gen = torch.Generator().manual_seed(91)
+    args = list(make_case(92, 4, 3, 150, draft="logits"))
+    args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
+    args[4] = torch.tensor([0.0, 1.2, 0.0, 0.7])
+    args[5] = torch.tensor([0, 0, 5, 9])
+    args[6] = torch.tensor([1.0, 0.9, 1.0, 0.8])
+    for block in (False, True):
+        expected, expected_lp = reference(tuple(args), block, logprobs=True)
+        out, lp = run_triton(tuple(args), block, logprobs=True, block_v=16, num_chunks=10, chunks_per_program=3,
+                             fused_filter=True)
+        assert torch.equal(out, expected)
+        torch.testing.assert_close(lp, expected_lp, **LOGPROB_TOL)

@@ -16,13 +16,14 @@ elects the row's last program, which combines the others' results in chunk order
 memset; graph-capturable, no host sync).
 
 1. `_stats_kernel`: each chunk's max of x, its sum of exp((x - max) / T) (one exponential per entry) and its
-   argmax; for a row with top-k or top-p on, also a histogram of its x in bins of width 1 / bin_scale below its
-   maximum (tl.histogram). On the GPU a chunk is one block, read once into registers (the histogram too), and the
-   loop over a program's chunks is pipelined; a chunk of several blocks (as tests force) keeps an online sum and
-   reads the chunk again for the histogram. The last program: m = max(x) / T (the division rounds monotonically),
-   S, the argmax (lowest index on ties), and for a filtered row the lower bound of its candidates: the shallowest
-   bin boundary at which the aligned histograms count top_k entries (top-k on), or at which a lower bound of the
-   mass reaches top_p * S (top-p alone); tau holds that bound until pass 2.
+   argmax (on the GPU's one-block chunks, the sum for a random row only and the argmax for a greedy row only:
+   the pass is issue-bound); for a row with top-k or top-p on, also a histogram of its x in bins of width
+   1 / bin_scale below its maximum (tl.histogram). On the GPU a chunk is one block, read once into registers
+   (the histogram too), and the loop over a program's chunks is pipelined; a chunk of several blocks (as tests
+   force) keeps an online sum and reads the chunk again for the histogram. The last program: m = max(x) / T (the
+   division rounds monotonically), S, the argmax (lowest index on ties), and for a filtered row the lower bound
+   of its candidates: the shallowest bin boundary at which the aligned histograms count top_k entries (top-k on),
+   or at which a lower bound of the mass reaches top_p * S (top-p alone); tau holds that bound until pass 2.
 2. `_filter_kernel` (rows no filter touches return at once; run by the statistics pass's last program instead
    when one program covers a row, so that no launch is spent on unfiltered rows): every program appends the z of
    its chunks' entries at or above the bound to the row's candidates (an atomic slot counter; at most CAP are
@@ -231,17 +232,23 @@ def _chunk_stats_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered,
     return top, total, argmax, top_bin
 
 @triton.jit
-def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered,
+def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered, is_random,
                           BLOCK_V: tl.constexpr, NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
     """`_chunk_stats_tl` of a chunk that is one block (end - start <= BLOCK_V), read once: the max, the argmax and
-    the sum from the block in registers, and with `filtered` the histogram from the same registers."""
+    the sum from the block in registers, and with `filtered` the histogram from the same registers. The pass is
+    issue-bound, so each row computes only what its mode reads: a random row the max and the sum (argmax 0), a
+    greedy row the max and the argmax (sum 1)."""
     scale = 1.4426950408889634 / t  # exp(d / t) = exp2(d * scale)
     v = start + tl.arange(0, BLOCK_V)
     in_chunk = v < end
     x = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf")).to(tl.float32)
     top = tl.max(x, axis=0)
-    argmax = tl.min(tl.where(in_chunk & (x == top), v, vocab), axis=0)  # the lowest index on ties
-    total = tl.sum(tl.where(x > float("-inf"), tl.exp2((x - top) * scale), 0.0), axis=0)
+    if is_random:
+        argmax = tl.zeros([], tl.int32)
+        total = tl.sum(tl.where(x > float("-inf"), tl.exp2((x - top) * scale), 0.0), axis=0)
+    else:
+        argmax = tl.min(tl.where(in_chunk & (x == top), v, vocab), axis=0)  # the lowest index on ties
+        total = tl.full([], 1.0, tl.float32)
     top_bin = tl.floor(top * BIN_SCALE)
     if filtered:
         depth = top_bin - tl.floor(x * BIN_SCALE)
@@ -253,7 +260,7 @@ def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered,
 
 @triton.jit
 def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t, partial_ptr, hist_ptr, filtered,
-                   CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
+                   is_random, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
                    NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
     """Chunks c_first .. c_last - 1 of row g: each chunk's statistics into partial [g, c, 4] (and its histogram
     into hist [g, c, NUM_BINS]), computed from that chunk alone, so the same whichever program computes it."""
@@ -264,7 +271,7 @@ def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t,
             slot = g * num_chunks + c
             top, total, argmax, top_bin = _chunk_stats_block_tl(
                 row_ptr, start, tl.minimum(start + chunk_len, vocab), vocab, t, hist_ptr + slot * NUM_BINS,
-                filtered, BLOCK_V, NUM_BINS, BIN_SCALE)
+                filtered, is_random, BLOCK_V, NUM_BINS, BIN_SCALE)
             _store_partial_tl(partial_ptr + slot * 4, top, total, argmax, top_bin)
     else:
         for c in range(c_first, c_last):
@@ -299,7 +306,8 @@ def _stats_kernel(
     chunks p * chunks_per_program .. (p + 1) * chunks_per_program - 1 (of num_chunks, each chunk_len entries) into
     partial [g, c, 4] (and their histograms into hist [g, c, NUM_BINS] for a row that top-k or top-p filters); the
     row's last program combines them in chunk order into stats [g] = (m, tau, S, argmax): tau is -inf's key, or for
-    a filtered row the lower bound of the filter pass's candidates. FUSED_FILTER: that program then runs the filter
+    a filtered row the lower bound of the filter pass's candidates; with one-block chunks S holds only for a random
+    row and the argmax only for a greedy row, the one each reads. FUSED_FILTER: that program then runs the filter
     pass over the whole row itself (no `_filter_kernel` launch)."""
     g = tl.program_id(0).to(tl.int64)
     num_programs = tl.num_programs(1)
@@ -316,11 +324,12 @@ def _stats_kernel(
     filtered = is_random & (k_on | (top_p < 1.0))
     if r <= k:
         _span_stats_tl(target_ptr + b * t_stride_b + r * t_stride_i, g, c_first, c_last, num_chunks, chunk_len, vocab,
-                       t, partial_ptr, hist_ptr, filtered, CHUNK_IS_BLOCK, BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE)
+                       t, partial_ptr, hist_ptr, filtered, is_random, CHUNK_IS_BLOCK, BLOCK_V, NUM_STAGES, NUM_BINS,
+                       BIN_SCALE)
     else:
         _span_stats_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, g, c_first, c_last, num_chunks,
-                       chunk_len, vocab, t, partial_ptr, hist_ptr, filtered, CHUNK_IS_BLOCK, BLOCK_V, NUM_STAGES,
-                       NUM_BINS, BIN_SCALE)
+                       chunk_len, vocab, t, partial_ptr, hist_ptr, filtered, is_random, CHUNK_IS_BLOCK, BLOCK_V,
+                       NUM_STAGES, NUM_BINS, BIN_SCALE)
     tl.debug_barrier()  # every thread's partials and histograms are stored before the ticket publishes them
     if take_ticket_tl(ticket_ptr + g) == num_programs - 1:
         reset_ticket_tl(ticket_ptr + g)
