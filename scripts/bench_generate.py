@@ -40,11 +40,13 @@ too (two more compiles per batch size), against the target-only round: Leviathan
 forward to cost one target step. Requests are greedy by default (verified by greedy_verify); with --temperature T
 they sample at T (request i's seed is i; target-only samples too) and speculation verifies by rejection sampling,
 whose acceptance is a coin per draft (sum of min(p, q)) rather than greedy's all-or-nothing match of a repeating
-continuation. The JSON (and the table on stderr) is rewritten after every batch size.
+continuation; --method block verifies by block verification instead, and --top-k / --top-p / --min-p add the
+sampling filters to every request (the generator is then built with sampling_filters, for both paths). The JSON (and the table on stderr) is rewritten after every batch size.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -76,6 +78,11 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy requests verified by greedy_verify; > 0: every request samples at this "
                         "temperature (seed = its index) and speculation verifies by rejection sampling")
+    p.add_argument("--method", choices=("auto", "rejection", "block"), default="auto",
+                   help="verification with --temperature > 0 (auto: rejection sampling)")
+    p.add_argument("--top-k", type=int, default=0, help="every request's top_k (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="every request's min_p (0 = off)")
     p.add_argument("--requests-per-slot", type=int, default=1,
                    help="requests per batch slot (default 1: one wave of `batch` requests; more: a queue that "
                         "continuous batching admits into the slots that finish, the steady state of a server)")
@@ -97,7 +104,17 @@ def parse_args(argv=None):
         p.error("--alpha must lie in (0, 1)")
     if not args.temperature >= 0 or args.temperature == float("inf"):
         p.error(f"--temperature must be finite and >= 0, got {args.temperature}")
+    if args.method != "auto" and args.temperature == 0:
+        p.error("--method rejection or block needs --temperature > 0")
+    if args.top_k < 0 or not 0 < args.top_p <= 1 or not 0 <= args.min_p <= 1:
+        p.error("--top-k must be >= 0, --top-p in (0, 1], --min-p in [0, 1]")
+    if filters_on(args) and args.temperature == 0:
+        p.error("--top-k, --top-p and --min-p need --temperature > 0")
     return args
+
+
+def filters_on(args) -> bool:
+    return (args.top_k, args.top_p, args.min_p) != (0, 1.0, 0.0)
 
 
 # --- models -------------------------------------------------------------------------------------------------
@@ -223,10 +240,12 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
     """Calibrates the damping on this batch's requests, then times target-only and speculative generation."""
     k = args.k
     max_model_len = -(-(args.prompt_len + args.new_tokens + k + 1) // 16) * 16
-    method = "rejection" if args.temperature > 0 else "greedy"
+    method = "greedy" if args.temperature == 0 else ("rejection" if args.method == "auto" else args.method)
     config = GeneratorConfig(num_speculative_tokens=k, method=method, max_num_reqs=batch,
-                             max_model_len=max_model_len, block_size=16, batch_sizes=(batch,), read_every=8)
-    requests = [Request(p, args.new_tokens, temperature=args.temperature, seed=i)
+                             max_model_len=max_model_len, block_size=16, batch_sizes=(batch,), read_every=8,
+                             sampling_filters=filters_on(args))
+    requests = [Request(p, args.new_tokens, temperature=args.temperature, seed=i, top_k=args.top_k,
+                        top_p=args.top_p, min_p=args.min_p)
                 for i, p in enumerate(prompts[:batch * args.requests_per_slot])]
     full_split = args.full_split == "all" or (args.full_split and str(batch) in args.full_split.split(","))
     t0 = time.perf_counter()
@@ -248,7 +267,7 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
         # The target and verification parts are timed only with --full-split (each is one more compile per size).
         split = generator.measure_split(batch, repeats=5 if device == "cuda" else 2,
                                         parts=("draft", "target", "verify") if full_split else ("draft",))
-        generator.generate([Request(r.prompt_ids, 8, temperature=r.temperature, seed=r.seed)
+        generator.generate([dataclasses.replace(r, max_new_tokens=8)
                             for r in requests])  # untimed: JIT of the admission's kernels
         warm = time.perf_counter() - t0
         out = generator.generate(requests)
@@ -260,7 +279,11 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
 
 
 def spec_method(args) -> str:
-    return f"rejection sampling, temperature {args.temperature:g}" if args.temperature > 0 else "greedy"
+    if args.temperature == 0:
+        return "greedy"
+    name = "block verification" if args.method == "block" else "rejection sampling"
+    filters = f", top_k {args.top_k}, top_p {args.top_p:g}, min_p {args.min_p:g}" if filters_on(args) else ""
+    return f"{name}, temperature {args.temperature:g}{filters}"
 
 
 def wait_for(path: str | None) -> None:
@@ -272,8 +295,8 @@ def wait_for(path: str | None) -> None:
 def hf_run(hf, hf_draft, prompt, args, device: str, mode: str) -> float:
     """tokens/s of transformers' generate at batch 1 (greedy, or sampling at --temperature)."""
     ids = torch.tensor([prompt], device=device)
-    sampling = dict(do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0) if args.temperature > 0 \
-        else dict(do_sample=False)
+    sampling = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    min_p=args.min_p or None) if args.temperature > 0 else dict(do_sample=False)
     kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, pad_token_id=0, **sampling)
     if mode == "static":
         kwargs["cache_implementation"] = "static"

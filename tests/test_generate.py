@@ -1,6 +1,7 @@
 """Generator: speculative output equals target-only output (greedy) for every k with requests joining and leaving;
-compiled == eager; rejection sampling keeps the target's distribution (chi-square, with a negative control);
-typical acceptance; EOS / max tokens / max_model_len stops; slot and block reuse; bad inputs.
+compiled == eager; rejection sampling and block verification keep the target's distribution, with and without
+top-k / top-p / min-p (chi-square, with negative controls); typical acceptance; EOS / max tokens / max_model_len
+stops; slot and block reuse; bad inputs.
 
 Models are the random-weight reference `DraftModel` in float64 (paged vs dense attention and verify vs decode
 shapes cannot flip an argmax). The draft is the target's first layer(s) (shared modules); the target's later layers
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from specdec_ops.models import DraftModel, DraftModelConfig
+from specdec_ops.ops.logits_sampling import processed_distribution
 from specdec_ops.runtime.generator import Generator, GeneratorConfig, Request
 from support import greedy_reference, prefix_draft
 
@@ -101,11 +103,17 @@ def test_full_acceptance_emits_the_bonus_token(target):
     assert out.metrics.acceptance_rate == 1.0 and out.metrics.acceptance_per_position == [1.0] * k
 
 
-def test_compiled_equals_eager_without_recompiling(target, draft):
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "block-filtered"])
+def test_compiled_equals_eager_without_recompiling(target, draft, sampling):
     # One padded size, so one compile per generator; the live batch changes from round to round within it.
+    # "block-filtered": block verification, every request sampled with its own filters (one greedy).
     k = 3
     config = small_config(k, batch_sizes=(3,))
     requests = mixed_requests(20, 6)
+    if sampling:
+        config = dataclasses.replace(config, method="block", sampling_filters=True)
+        requests = [dataclasses.replace(r, temperature=0.0 if i == 0 else 0.7 + 0.1 * i, seed=i, top_k=(0, 8)[i % 2],
+                                        top_p=(1.0, 0.9, 0.7)[i % 3], min_p=0.02 * (i % 2)) for i, r in enumerate(requests)]
     eager = Generator(target, draft, config, device="cpu", compile=False).generate(requests)
     compiled = Generator(target, draft, config, device="cpu", compile=True)
     compiled.warm_up()
@@ -117,7 +125,9 @@ def test_compiled_equals_eager_without_recompiling(target, draft):
     plain.warm_up()
     with torch._dynamo.config.patch(error_on_recompile=True):
         plain_out = plain.generate(requests)
-    assert [r.token_ids for r in plain_out.requests] == [r.token_ids for r in eager.requests]
+    # Greedy: the speculative output is the target-only one; sampled, the target-only path's own eager output.
+    want = eager if not sampling else Generator(target, None, config, device="cpu", compile=False).generate(requests)
+    assert [r.token_ids for r in plain_out.requests] == [r.token_ids for r in want.requests]
 
 
 def test_eos_max_tokens_and_length_stop_independently(target, draft):
@@ -330,8 +340,14 @@ NEW_TOKENS = 4
 SAMPLES = 1500
 
 
-def exact_marginals(model, prompt, steps, temperature):
-    """P(token at generated position j = v) for j < steps under target-only sampling, by enumerating prefixes."""
+# Filters that each cut something from TINY's 6-token rows at temperature 1 (top-k alone keeps 4 tokens).
+FILTERS = dict(top_k=4, top_p=0.8, min_p=0.1)
+
+
+def exact_marginals(model, prompt, steps, temperature, top_k=0, top_p=1.0, min_p=0.0):
+    """P(token at generated position j = v) for j < steps under target-only sampling from the processed
+    distribution (temperature, then the filters), by enumerating prefixes."""
+    params = (torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))
     marginals, frontier = [], {(): 1.0}
     for _ in range(steps):
         marginal = torch.zeros(model.vocab_size, dtype=torch.float64)
@@ -339,22 +355,29 @@ def exact_marginals(model, prompt, steps, temperature):
         for prefix, weight in frontier.items():
             sequence = prompt + list(prefix)
             hidden = model(torch.tensor(sequence), torch.arange(len(sequence)), None)
-            probs = torch.softmax(model.compute_logits(hidden[-1]).double() / temperature, -1)
+            # float32 logits, as the generator's rounds take them
+            logits = model.compute_logits(hidden[-1]).float()[None]
+            probs = processed_distribution(logits, *params)[0].double()
             marginal += weight * probs
             for token in range(model.vocab_size):
-                next_frontier[prefix + (token,)] = weight * float(probs[token])
+                if probs[token] > 0:
+                    next_frontier[prefix + (token,)] = weight * float(probs[token])
         marginals.append(marginal)
         frontier = next_frontier
     return marginals
 
 
-def chi_square_pvalues(model, outputs, temperature):
+def chi_square_pvalues(model, outputs, temperature, **filters):
     from scipy.stats import chisquare
 
     pvalues = []
-    for position, marginal in enumerate(exact_marginals(model, PROMPT, NEW_TOKENS, temperature)):
+    for position, marginal in enumerate(exact_marginals(model, PROMPT, NEW_TOKENS, temperature, **filters)):
         counts = torch.bincount(torch.tensor([o.token_ids[position] for o in outputs]), minlength=model.vocab_size)
         expected = marginal * len(outputs)
+        # A token the filters cut has probability 0: any count of it fails the test outright.
+        if bool((counts[marginal == 0] > 0).any()):
+            pvalues.append(0.0)
+            continue
         keep = expected >= 5  # pool the rare tokens into one bin
         observed = torch.cat([counts[keep].double(), counts[~keep].sum().double().view(1)])
         expected = torch.cat([expected[keep], expected[~keep].sum().view(1)])
@@ -375,24 +398,76 @@ class OffByOneGenerator(Generator):
         super()._verify_part(batch, active, inputs, drafts, draft_probs.roll(1, dims=1), logits)
 
 
-@pytest.mark.slow
-def test_rejection_sampling_matches_the_target_distribution():
+class UnfilteredVerifyGenerator(Generator):
+    """A wrong sampler: the draft and the target-only path apply the filters, verification does not (the filters
+    never reach the verifier), so what it emits follows the unfiltered target distribution."""
+
+    def _verify_part(self, batch, active, inputs, drafts, draft_probs, logits):
+        saved = self.top_k.clone(), self.top_p.clone(), self.min_p.clone()
+        self.top_k.zero_(), self.top_p.fill_(1.0), self.min_p.zero_()
+        try:
+            super()._verify_part(batch, active, inputs, drafts, draft_probs, logits)
+        finally:
+            for buffer, value in zip((self.top_k, self.top_p, self.min_p), saved):
+                buffer.copy_(value)
+
+
+def sampling_run(method: str, filters: dict, generator_class=Generator, draft=True):
+    """SAMPLES requests of PROMPT at temperature 1 through TINY (an unrelated draft: acceptance well below 1,
+    so residual draws matter): (target, output)."""
     target = DraftModel(TINY, seed=3)
-    draft = DraftModel(TINY, seed=4)  # an unrelated draft: acceptance well below 1, residual draws matter
-    temperature = 1.0
-    requests = [Request(PROMPT, NEW_TOKENS, temperature=temperature, seed=1000 + i) for i in range(SAMPLES)]
-    config = GeneratorConfig(num_speculative_tokens=3, method="rejection", max_num_reqs=64, max_model_len=16,
-                             block_size=4, batch_sizes=(64,), read_every=2)
-    out = Generator(target, draft, config, device="cpu", compile=False).generate(requests)
+    requests = [Request(PROMPT, NEW_TOKENS, temperature=1.0, seed=1000 + i, **filters) for i in range(SAMPLES)]
+    config = GeneratorConfig(num_speculative_tokens=3, method=method, max_num_reqs=64, max_model_len=16,
+                             block_size=4, batch_sizes=(64,), read_every=2, sampling_filters=bool(filters))
+    model_draft = DraftModel(TINY, seed=4) if draft else None
+    return target, generator_class(target, model_draft, config, device="cpu", compile=False).generate(requests)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["rejection", "block"])
+@pytest.mark.parametrize("filters", [{}, FILTERS], ids=["no-filters", "top-k+top-p+min-p"])
+def test_sampling_matches_the_target_distribution(method, filters):
+    target, out = sampling_run(method, filters)
     assert all(len(o.token_ids) == NEW_TOKENS for o in out.requests)
     assert 0.2 < out.metrics.acceptance_rate < 0.95
-    pvalues = chi_square_pvalues(target, out.requests, temperature)
+    pvalues = chi_square_pvalues(target, out.requests, 1.0, **filters)
     assert min(pvalues) > 1e-3, f"speculative samples differ from the target's distribution: p = {pvalues}"
-    plain = Generator(target, None, config, device="cpu", compile=False).generate(requests)
-    assert min(chi_square_pvalues(target, plain.requests, temperature)) > 1e-3
-    # Negative control: the same test rejects a sampler with an off-by-one in the draft probabilities.
-    wrong = OffByOneGenerator(target, draft, config, device="cpu", compile=False).generate(requests)
-    assert min(chi_square_pvalues(target, wrong.requests, temperature)) < 1e-6
+    _, plain = sampling_run(method, filters, draft=False)
+    assert min(chi_square_pvalues(target, plain.requests, 1.0, **filters)) > 1e-3
+    # Negative controls: the same test rejects a sampler with an off-by-one in the draft probabilities, and one
+    # whose verification drops the filters.
+    wrong_class = UnfilteredVerifyGenerator if filters else OffByOneGenerator
+    _, wrong = sampling_run(method, filters, wrong_class)
+    assert min(chi_square_pvalues(target, wrong.requests, 1.0, **filters)) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("filters", [{}, FILTERS], ids=["no-filters", "top-k+top-p+min-p"])
+def test_block_verification_accepts_at_least_as_many_drafts(filters):
+    # In expectation block verification accepts at least as many drafts per round as token-wise; 1500 requests
+    # give a standard error of about 0.02 tokens per round on each mean.
+    _, tokenwise = sampling_run("rejection", filters)
+    _, block = sampling_run("block", filters)
+    print(f"mean emitted per round: token-wise {tokenwise.metrics.mean_emitted_per_round:.3f}, "
+          f"block {block.metrics.mean_emitted_per_round:.3f}")
+    assert block.metrics.mean_emitted_per_round >= tokenwise.metrics.mean_emitted_per_round - 0.06
+
+
+@pytest.mark.parametrize("method", ["rejection", "block"])
+def test_top_k_1_and_min_p_1_sample_the_greedy_continuation(target, draft, joined_requests, method):
+    # top_k = 1 (or min_p = 1) keeps only the most probable token: at any temperature the output is the greedy
+    # continuation, so the filters must reach the first token, the draft and the verifier alike. The draft then
+    # proposes its argmax, so the acceptance counts equal greedy verification's.
+    requests, want, _ = joined_requests
+    config = small_config(3, method=method, sampling_filters=True)
+    greedy = Generator(target, draft, small_config(3), device="cpu", compile=False).generate(requests)
+    for filters in (dict(top_k=1), dict(min_p=1.0, top_p=0.5)):
+        sampled = [dataclasses.replace(r, temperature=0.9, seed=7 + i, **filters) for i, r in enumerate(requests)]
+        out = Generator(target, draft, config, device="cpu", compile=False).generate(sampled)
+        assert [r.token_ids for r in out.requests] == want, filters
+        assert out.metrics.acceptance_per_position == greedy.metrics.acceptance_per_position
+        plain = Generator(target, None, config, device="cpu", compile=False).generate(sampled)
+        assert [r.token_ids for r in plain.requests] == want, filters
 
 
 # --- bad inputs ---------------------------------------------------------------------------------------------
@@ -401,6 +476,8 @@ def test_rejection_sampling_matches_the_target_distribution():
 def test_bad_requests_and_configs_are_refused(target, draft):
     generator = Generator(target, draft, small_config(2), device="cpu", compile=False)
     rejection = Generator(target, draft, small_config(2, method="rejection"), device="cpu", compile=False)
+    filtered = Generator(target, draft, small_config(2, method="block", sampling_filters=True), device="cpu",
+                         compile=False)
     cases = [
         (generator, Request(torch.tensor([1.0, 2.0]), 4), "integer token ids"),
         (generator, Request(torch.tensor([1, 2], device="meta"), 4), "must be on the CPU or on cpu"),
@@ -414,6 +491,14 @@ def test_bad_requests_and_configs_are_refused(target, draft):
         (generator, Request([1], 4, temperature=0.7), "method 'greedy' verifies by argmax"),
         (generator, Request([1], 4, seed=-1), "seed must be an int"),
         (generator, Request([1], 4, eos_token_id=CONFIG.vocab_size), "eos_token_id must be None or an int"),
+        (filtered, Request([1], 4, top_k=-1), r"top_k must be an int >= 0"),
+        (filtered, Request([1], 4, top_k=2.0), r"top_k must be an int >= 0"),
+        (filtered, Request([1], 4, top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+        (filtered, Request([1], 4, top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+        (filtered, Request([1], 4, top_p=math.nan), r"top_p must be a number in \(0, 1\]"),
+        (filtered, Request([1], 4, min_p=-0.1), r"min_p must be a number in \[0, 1\]"),
+        (filtered, Request([1], 4, min_p=2.0), r"min_p must be a number in \[0, 1\]"),
+        (rejection, Request([1], 4, temperature=0.5, top_k=5), "built without filters"),
     ]
     for gen, request, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -435,6 +520,10 @@ def test_bad_requests_and_configs_are_refused(target, draft):
         Generator(target, draft, small_config(2, read_every=0), device="cpu")
     with pytest.raises(ValueError, match="config.overlap must be a bool"):
         Generator(target, draft, small_config(2, overlap=1), device="cpu")
+    with pytest.raises(ValueError, match="config.sampling_filters must be a bool"):
+        Generator(target, draft, small_config(2, sampling_filters="yes"), device="cpu")
+    with pytest.raises(ValueError, match="method 'typical' takes the temperature only"):
+        Generator(target, draft, small_config(2, method="typical", sampling_filters=True), device="cpu")
     other_vocab = DraftModel(dataclasses.replace(CONFIG, vocab_size=100))
     with pytest.raises(ValueError, match="draft vocab_size 100 != target vocab_size 512"):
         Generator(target, other_vocab, small_config(2), device="cpu")
@@ -503,6 +592,39 @@ def test_cuda_rounds_do_not_sync():
         assert len(got) > 6 and got == want[slot].token_ids[:len(got)], f"slot {slot}"
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", ["rejection", "block"])
+def test_cuda_filtered_sampling_one_graph_no_recompiles_no_sync(method):
+    from conftest import sync_forbidden
+
+    target, draft = cuda_models()
+    config = small_config(3, method=method, sampling_filters=True, max_num_reqs=4, batch_sizes=(4,))
+    requests = mixed_requests(8, 6)
+    wants = [greedy_reference(target, r.prompt_ids, r.max_new_tokens) for r in requests]
+    # Even requests: top_k = 1 at a positive temperature, which is the greedy continuation; odd ones: all filters.
+    sampled = [dataclasses.replace(r, temperature=0.9, seed=i, top_k=1) if i % 2 == 0 else
+               dataclasses.replace(r, temperature=0.8, seed=i, top_k=20, top_p=0.9, min_p=0.05)
+               for i, r in enumerate(requests)]
+    generator = Generator(target, draft, config, device="cuda")
+    generator.warm_up()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = generator.generate(sampled)
+        again = generator.generate(sampled)
+    assert set(generator.runner.graphs) == {(4,)}
+    for index, (request, result) in enumerate(zip(sampled, out.requests)):
+        assert again.requests[index].token_ids == result.token_ids  # seeded: the same tokens
+        assert len(result.token_ids) == request.max_new_tokens
+        if index % 2 == 0:
+            assert result.token_ids == wants[index], f"request {index}"
+    prepared = [generator._prepare(i, r) for i, r in enumerate(sampled[:4])]
+    torch.cuda.synchronize()
+    with sync_forbidden():  # admission and the rounds: no host sync
+        generator._admit(list(range(4)), prepared)
+        for _ in range(4):
+            generator.runner.run(4)
+    torch.cuda.synchronize()
+
+
 # --- the command ----------------------------------------------------------------------------------------------
 
 
@@ -522,6 +644,12 @@ def test_command_json_on_the_random_model(capsys):
     assert document["speculative"]["generated_tokens"] == 18 == document["target_only"]["generated_tokens"]
     assert len(document["speculative"]["acceptance_per_position"]) == 2
     assert document["config"]["method"] == "greedy" and document["config"]["batch_sizes"] == [2]
+    # Sampling with the filters, verified by block verification: top_k = 1 keeps only the argmax, so the output
+    # is still the greedy one.
+    assert main(argv + ["--temperature", "0.8", "--top-k", "1", "--top-p", "0.9", "--method", "block"]) == 0
+    sampled = json.loads(capsys.readouterr().out)
+    assert sampled["config"]["method"] == "block" and sampled["config"]["top_k"] == 1
+    assert [r["token_ids"] for r in sampled["requests"]] == [r["token_ids"] for r in document["requests"]]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -533,6 +661,10 @@ def test_command_json_on_the_random_model(capsys):
     (["--method", "greedy", "--temperature", "0.5"], "--method greedy verifies by argmax"),
     (["--seed", "-3"], r"in \[0, 2\*\*63\)"),
     (["--target", "random", "--prompt", "hi"], "has no tokenizer"),
+    (["--top-k", "-1"], "expected an integer >= 0"),
+    (["--top-p", "0"], r"expected a number in \(0, 1\]"),
+    (["--min-p", "1.5"], r"expected a number in \[0, 1\]"),
+    (["--method", "typical", "--temperature", "0.5", "--top-p", "0.9"], "--method typical takes the temperature"),
 ])
 def test_command_refuses_bad_flags(argv, message, capsys):
     from specdec_ops.generate import main

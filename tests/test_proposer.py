@@ -197,6 +197,40 @@ def test_without_probs(model):
         sim.verify(drafts.tolist())
 
 
+def test_filtered_drafts(model):
+    # Filters off: the same drafts and probabilities as the unfiltered sampler (the drafts' logits are float64,
+    # cast to float32 for the filtered op, hence the tolerance). top_k = 1 at any temperature: the greedy drafts.
+    plain = DraftProposer(model, PROPOSER_CONFIG, device="cpu", compile=False)
+    filtered = DraftProposer(model, PROPOSER_CONFIG, device="cpu", compile=False, filters=True)
+    sim = SyntheticTarget([plain, filtered], seed=5, vocab_size=MODEL_CONFIG.vocab_size)
+    for _ in range(4):
+        batch = sim.next_batch(temperature=0.9, seed_base=3)
+        n = len(sim.batch_slots)
+        off = dict(top_k=torch.zeros(n, dtype=torch.int64), top_p=torch.ones(n), min_p=torch.zeros(n))
+        want, want_probs = (t.clone() for t in plain.propose(**batch))
+        got, probs = filtered.propose(**batch, **off)
+        assert got.tolist() == want.tolist()
+        torch.testing.assert_close(probs, want_probs, atol=1e-6, rtol=0)
+        sim.verify(got.tolist())
+    greedy = DraftProposer(model, PROPOSER_CONFIG, device="cpu", compile=False, filters=True)
+    sim = SyntheticTarget([greedy], seed=6, vocab_size=MODEL_CONFIG.vocab_size)
+    for _ in range(4):
+        batch = sim.next_batch(temperature=0.9)
+        n = len(sim.batch_slots)
+        drafts, probs = greedy.propose(**batch, top_k=torch.ones(n, dtype=torch.int32), top_p=torch.full((n,), 0.5),
+                                       min_p=torch.zeros(n))
+        assert drafts.tolist() == expected_drafts(model, sim)
+        assert torch.equal(probs.argmax(-1), drafts) and torch.equal(probs.amax(-1), torch.ones(n, K))
+        sim.verify(drafts.tolist())
+    with pytest.raises(ValueError, match="argument 'top_k' is required: the proposer has filters=True"):
+        greedy.propose(**batch)
+    with pytest.raises(ValueError, match="argument 'top_p' must be a float tensor"):
+        greedy.propose(**batch, top_k=torch.ones(n, dtype=torch.int32), top_p=torch.ones(n, dtype=torch.int64),
+                       min_p=torch.zeros(n))
+    with pytest.raises(ValueError, match="argument 'top_k' needs a proposer built with filters=True"):
+        plain.propose(**batch, top_k=torch.ones(n, dtype=torch.int32))
+
+
 def test_padded_sizes_and_block_pool():
     proposer_sizes = DraftProposer(DraftModel(), ProposerConfig(2, 20, 100, 64), device="cpu", compile=False)
     assert proposer_sizes.batch_sizes == [1, 2, 4, 8, 16, 20]

@@ -26,15 +26,16 @@ A speculative round (`_round`, one torch.compile(fullgraph) graph and, on CUDA, 
    (and their probabilities for rejection sampling).
 2. target: one forward over [last token, d_1..d_k] of every row (uniform_query_len = k + 1) into the target
    cache; float32 logits at all k + 1 positions.
-3. verify: ``greedy_verify`` on the logits, ``rejection_sample`` on softmax(logits / T) with the draft's
-   probabilities (greedy rows one-hot), or ``typical_acceptance`` on softmax(logits / T); all give the
-   create_output layout [B, k+1].
+3. verify: ``greedy_verify`` on the logits; ``rejection_sample_logits`` straight from the logits and each
+   request's temperature, top-k, top-p and min-p, against the draft's probabilities (token-wise, or with block
+   verification); or ``typical_acceptance`` on softmax(logits / T). All give the create_output layout [B, k+1].
 4. bookkeeping on the device (`_commit`): emitted tokens (cut after an EOS and at the request's cap) are
    appended to the slot's row of ``tokens``, ``length`` and ``last_token`` advance, the verified batch is kept
    as the next round's proposer query, stop flags and reasons are set, acceptance counters accumulate.
 
 A target-only round (`_plain_round`) is step 2 with one token per row (uniform_query_len = 1), ``sample_draft``
-on the logits (argmax for temperature 0, a seeded draw otherwise), and step 4.
+on the logits (argmax for temperature 0, a seeded draw otherwise; ``sample_draft_filtered`` with
+``sampling_filters``), and step 4.
 
 The host (`generate`, `_HostLoop`) runs groups: a group is up to ``read_every`` round replays, then a copy of
 ``length``, ``stop_reason`` and ``tokens`` into one of two pinned host buffer sets, with an event. It keeps two
@@ -50,11 +51,19 @@ a request's length is capped at ``min(prompt + max_new_tokens, max_model_len - k
 any position would reach max_model_len, and the ops' clamping of positions never applies. Both modes use the same
 cap, so they stop at the same token. A prompt longer than ``max_model_len - k - 1`` is refused.
 
-Randomness: every draw is a pure function of (the request's seed, a position, the op's purpose), so a request's
-tokens do not depend on the other requests in the batch or on when it was admitted. The draft draws at the
-positions of the tokens it is fed, the rejection sampler at the drafts' positions (its own purposes), and the
-target's own draws (first token, target-only rounds) at the new token's position + TARGET_STREAM_OFFSET, so no
-two draws that must be independent share a random number.
+Randomness: every draw is a pure function of (the request's seed, a position or round, the op's purpose), so a
+request's tokens do not depend on the other requests in the batch or on when it was admitted. The draft draws at
+the positions of the tokens it is fed, the token-wise rejection sampler at the drafts' positions (its own
+purposes), block verification at offsets that advance by k + 1 per round of the request (its stop point may read
+every ACCEPT number of a round, so no later round may reuse one), and the target's own draws (first token,
+target-only rounds) at the new token's position + TARGET_STREAM_OFFSET, so no two draws that must be independent
+share a random number.
+
+Sampling parameters. Each request has a temperature and, with ``sampling_filters``, top-k, top-p and min-p: the
+processed distribution of `specdec_ops.ops.logits_sampling` is what the target samples (first token, target-only
+rounds) and what the draft samples its drafts from (``sample_draft_filtered``, whose probabilities are the q of
+verification), and rejection sampling verifies against the processed target distribution, so speculative output is
+distributed as target-only output with the same parameters.
 """
 from __future__ import annotations
 
@@ -68,13 +77,15 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from ..models.interface import AttentionMetadata
-from ..ops.sampling import rejection_sample, sample_draft
+from ..ops.logits_sampling import rejection_sample_logits, sample_draft_filtered
+from ..ops.sampling import sample_draft
 from ..ops.verify import greedy_verify, typical_acceptance
 from .graphs import StepGraphs, check_graph_mode
 from .kv import BlockPool, BlockTable
 from .proposer import DraftProposer, ProposerConfig, resolve_device, slot_mapping
 
-METHODS = ("greedy", "rejection", "typical")
+METHODS = ("greedy", "rejection", "block", "typical")
+SAMPLING_METHODS = ("rejection", "block")  # verified by rejection_sample_logits against the draft's probabilities
 # stop_reason codes on the device, and their names
 RUNNING, STOP_EOS, STOP_MAX_TOKENS, STOP_LENGTH = 0, 1, 2, 3
 STOP_NAMES = {STOP_EOS: "eos", STOP_MAX_TOKENS: "max_tokens", STOP_LENGTH: "length"}
@@ -97,8 +108,13 @@ class GeneratorConfig:
 
     num_speculative_tokens: k drafts per request and round (ignored by the target-only path, except for the
         length cap, which both paths share).
-    method: "greedy" (greedy_verify; temperature must be 0), "rejection" (rejection_sample) or "typical"
-        (typical_acceptance, with posterior_threshold and posterior_alpha).
+    method: "greedy" (greedy_verify; temperature must be 0), "rejection" (token-wise rejection sampling,
+        rejection_sample_logits), "block" (block verification, rejection_sample_logits with block_verification:
+        lossless too, and accepting at least as many drafts in expectation) or "typical" (typical_acceptance,
+        with posterior_threshold and posterior_alpha; temperature only).
+    sampling_filters: build the rounds with top-k, top-p and min-p, so that the requests' top_k, top_p and min_p
+        apply (the draft then samples with sample_draft_filtered, the target-only path too). False: requests
+        must leave them off, and the draft and target-only sampling skip the filter passes.
     max_num_reqs: request slots (the largest batch).
     max_model_len: the longest sequence (prompt + generated) the caches hold.
     block_size: cache slots per KV block (both caches).
@@ -116,6 +132,7 @@ class GeneratorConfig:
     batch_sizes: Sequence[int] | None = None
     read_every: int = 4
     overlap: bool = True
+    sampling_filters: bool = False
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
 
@@ -130,6 +147,11 @@ class Request:
     temperature: 0 for greedy, else sampling from softmax(logits / temperature) (finite, >= 0).
     seed: the request's random stream (an int in [0, 2**63)).
     eos_token_id: generation stops after this token (None: no EOS stop).
+    top_k: keep the top_k most probable tokens (an int >= 0; 0 = off). Needs GeneratorConfig.sampling_filters.
+    top_p: keep the smallest set of most probable tokens whose probability reaches top_p (in (0, 1]; 1 = off).
+    min_p: keep the tokens of probability >= min_p times the most probable one's (in [0, 1]; 0 = off).
+        The three filters follow the processed distribution of `specdec_ops.ops.logits_sampling` (ties at a
+        cut-off are kept together); a greedy request (temperature 0) ignores them.
     """
 
     prompt_ids: Sequence[int] | torch.Tensor
@@ -137,6 +159,9 @@ class Request:
     temperature: float = 0.0
     seed: int = 0
     eos_token_id: int | None = None
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
 
 @dataclass
@@ -197,6 +222,9 @@ class _Prepared(NamedTuple):
     temperature: float
     seed: int
     eos: int
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
 
 def _pick(sizes: list[int], n: int) -> int:
@@ -230,8 +258,12 @@ class Generator:
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Generator: config.{name} must be an int >= 1, got {value!r}")
-        if not isinstance(config.overlap, bool):
-            raise ValueError(f"Generator: config.overlap must be a bool, got {config.overlap!r}")
+        for name in ("overlap", "sampling_filters"):
+            if not isinstance(getattr(config, name), bool):
+                raise ValueError(f"Generator: config.{name} must be a bool, got {getattr(config, name)!r}")
+        if config.sampling_filters and config.method == "typical":
+            raise ValueError("Generator: method 'typical' takes the temperature only; sampling_filters needs "
+                             "method 'rejection' or 'block' (or 'greedy', where temperature 0 ignores them)")
         for name in ("posterior_threshold", "posterior_alpha"):
             value = getattr(config, name)
             if isinstance(value, bool) or not (
@@ -292,7 +324,8 @@ class Generator:
                 batch_sizes=self.batch_sizes, token_sizes=[b * (k + 1) for b in self.batch_sizes])
             # The generator traces the proposer's step inside its own round: the proposer itself is eager.
             self.proposer = DraftProposer(self.draft, config, device=device, compile=False, cuda_graphs=False,
-                                          with_probs=self.config.method == "rejection")
+                                          with_probs=self.config.method in SAMPLING_METHODS,
+                                          filters=self.config.sampling_filters)
             self.block_table = self.proposer.block_table
         else:
             self.proposer = None
@@ -311,7 +344,11 @@ class Generator:
         self.active = zeros(slots, dtype=torch.bool)
         self.eos = torch.full((slots,), -1, dtype=torch.int64, device=device)
         self.temperature = zeros(slots, dtype=torch.float32)
+        self.top_k = zeros(slots, dtype=torch.int64)  # the filters, off until a request sets them
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
+        self.min_p = zeros(slots, dtype=torch.float32)
         self.seeds = zeros(slots, dtype=torch.int64)
+        self.verify_offset = zeros(slots, dtype=torch.int64)  # block verification's stream offset per slot
         self.last_token = zeros(slots, dtype=torch.int64)
         # The previous round's verified batch: the proposer's next query.
         self.query_tokens = zeros(slots, k + 1, dtype=torch.int64)
@@ -356,6 +393,10 @@ class Generator:
         proposer.idx_mapping[:batch] = torch.where(active, rows, self.num_slots).int()
         proposer.num_rejected[:batch] = self.num_rejected[:batch]
         proposer.temperature[:batch] = self.temperature[:batch]
+        if proposer.filters:
+            proposer.top_k[:batch] = self.top_k[:batch]
+            proposer.top_p[:batch] = self.top_p[:batch]
+            proposer.min_p[:batch] = self.min_p[:batch]
         proposer.seeds[:batch] = self.seeds[:batch]
         proposer.last_sampled[:batch] = self.last_token[:batch]
         proposer.live_counts[0] = batch
@@ -398,9 +439,14 @@ class Generator:
         method = self.config.method
         if method == "greedy":
             out = greedy_verify(logits, drafts)
-        elif method == "rejection":
-            out = rejection_sample(self._target_probs(logits, batch), drafts, draft_probs, self.seeds[:batch],
-                                   start + 1)
+        elif method in SAMPLING_METHODS:
+            block = method == "block"
+            offsets = self.verify_offset[:batch] if block else start + 1
+            out = rejection_sample_logits(logits, drafts, self.temperature[:batch], self.top_k[:batch],
+                                          self.top_p[:batch], self.min_p[:batch], self.seeds[:batch], offsets,
+                                          draft_probs=draft_probs, block_verification=block)
+            if block:
+                self.verify_offset[:batch] += torch.where(active, k + 1, 0)
         else:
             out = typical_acceptance(self._target_probs(logits, batch), drafts, self.config.posterior_threshold,
                                      self.config.posterior_alpha)
@@ -425,9 +471,15 @@ class Generator:
                 rows, start + 1, self.block_size, uniform_query_len=1)
             hidden = self.target(self.last_token[:batch], start, metadata)
             logits = self.target.compute_logits(hidden).float()
-            token = sample_draft(logits, self.temperature[:batch], self.seeds[:batch],
-                                 start + 1 + TARGET_STREAM_OFFSET)
+            token = self._sample_target(logits, self.temperature[:batch], self.top_k[:batch], self.top_p[:batch],
+                                        self.min_p[:batch], self.seeds[:batch], start + 1 + TARGET_STREAM_OFFSET)
             self._commit(token[:, None], batch, active)
+
+    def _sample_target(self, logits, temperature, top_k, top_p, min_p, seeds, positions) -> torch.Tensor:
+        """The target's own draw of one token per row (first tokens, target-only rounds): int64 [n]."""
+        if self.config.sampling_filters:
+            return sample_draft_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions)
+        return sample_draft(logits, temperature, seeds, positions)
 
     def _commit(self, out: torch.Tensor, batch: int, active: torch.Tensor) -> None:
         """Appends each live row's emitted tokens (out [B, q], -1 = none) and sets its stop flags, on the device."""
@@ -606,14 +658,25 @@ class Generator:
             raise ValueError(f"{where}.temperature must be a finite number >= 0, got {temperature!r}")
         if self.speculative and self.config.method == "greedy" and temperature > 0:
             raise ValueError(f"{where}.temperature = {temperature}: method 'greedy' verifies by argmax; use "
-                             f"method 'rejection' (or 'typical') for temperature > 0")
+                             f"method 'rejection' or 'block' (or 'typical') for temperature > 0")
+        top_k, top_p, min_p = request.top_k, request.top_p, request.min_p
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"{where}.top_k must be an int >= 0 (0 = off), got {top_k!r}")
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+            raise ValueError(f"{where}.top_p must be a number in (0, 1] (1 = off), got {top_p!r}")
+        if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0 <= min_p <= 1:
+            raise ValueError(f"{where}.min_p must be a number in [0, 1] (0 = off), got {min_p!r}")
+        if (top_k, top_p, min_p) != (0, 1, 0) and not self.config.sampling_filters:
+            raise ValueError(f"{where} sets top_k = {top_k}, top_p = {top_p}, min_p = {min_p}: the generator was "
+                             f"built without filters (GeneratorConfig.sampling_filters=True applies them)")
         seed = request.seed
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
             raise ValueError(f"{where}.seed must be an int in [0, 2**63), got {seed!r}")
         eos = request.eos_token_id
         if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < self.vocab_size):
             raise ValueError(f"{where}.eos_token_id must be None or an int in [0, {self.vocab_size}), got {eos!r}")
-        return _Prepared(prompt, max_new, float(temperature), seed, -1 if eos is None else eos)
+        return _Prepared(prompt, max_new, float(temperature), seed, -1 if eos is None else eos, top_k, float(top_p),
+                         float(min_p))
 
     def _to_device(self, values: torch.Tensor) -> torch.Tensor:
         """A host tensor on the generator's device: on CUDA through pinned memory with a non-blocking copy, so the
@@ -638,8 +701,11 @@ class Generator:
         positions: list[int] = []
         token_rows: list[int] = []
         draft_tokens: list[int] = []  # indices into the packed tokens the draft prefills (each prompt but its last)
-        fields: list[int] = []  # per request: slot, length, cap, cap_is_length, eos, seed, stop unless EOS, last
+        # per request: slot, length, cap, cap_is_length, eos, seed, stop unless EOS, last, top_k
+        fields: list[int] = []
         temperatures: list[float] = []
+        top_ps: list[float] = []
+        min_ps: list[float] = []
         for row, (slot, request) in enumerate(zip(slots, requests)):
             prompt = request.prompt
             length = len(prompt)
@@ -656,21 +722,25 @@ class Generator:
             positions.extend(range(length))
             token_rows.extend([row] * length)
             fields.extend((slot, length, cap, int(cap_is_length), request.eos, request.seed, stop,
-                           first + length - 1))
+                           first + length - 1, request.top_k))
             temperatures.append(request.temperature)
+            top_ps.append(request.top_p)
+            min_ps.append(request.min_p)
         count, num_tokens, num_draft = len(slots), len(ids), len(draft_tokens)
         packed = self._to_device(torch.tensor(ids + positions + token_rows + draft_tokens + fields,
                                               dtype=torch.int64))
-        temperature = self._to_device(torch.tensor(temperatures, dtype=torch.float32))
+        temperature, top_p_d, min_p_d = self._to_device(
+            torch.tensor(temperatures + top_ps + min_ps, dtype=torch.float32)).view(3, count).unbind(0)
         ids_d, positions_d, rows_d = packed[:3 * num_tokens].view(3, num_tokens).unbind(0)
         draft_d = packed[3 * num_tokens: 3 * num_tokens + num_draft]
-        slot_d, length_d, cap_d, cap_is_length_d, eos_d, seed_d, stop_d, last_d = (
-            packed[3 * num_tokens + num_draft:].view(count, 8).unbind(1))
+        slot_d, length_d, cap_d, cap_is_length_d, eos_d, seed_d, stop_d, last_d, top_k_d = (
+            packed[3 * num_tokens + num_draft:].view(count, 9).unbind(1))
         block_rows = self.block_table.tensor.long()[slot_d]  # [count, blocks_per_req]
 
         hidden = self._prefill("target", block_rows, ids_d, positions_d, rows_d, keep=True)
         logits = self.target.compute_logits(hidden[last_d]).float()
-        first = sample_draft(logits, temperature, seed_d, length_d + TARGET_STREAM_OFFSET)
+        first = self._sample_target(logits, temperature, top_k_d, top_p_d, min_p_d, seed_d,
+                                    length_d + TARGET_STREAM_OFFSET)
         if self.speculative and num_draft:
             self._prefill("draft", block_rows, ids_d[draft_d], positions_d[draft_d], rows_d[draft_d], keep=False)
 
@@ -685,6 +755,10 @@ class Generator:
         self.active.index_copy_(0, slot_d, stop == RUNNING)
         self.eos.index_copy_(0, slot_d, eos_d)
         self.temperature.index_copy_(0, slot_d, temperature)
+        self.top_k.index_copy_(0, slot_d, top_k_d)
+        self.top_p.index_copy_(0, slot_d, top_p_d)
+        self.min_p.index_copy_(0, slot_d, min_p_d)
+        self.verify_offset.index_fill_(0, slot_d, 0)
         self.seeds.index_copy_(0, slot_d, seed_d)
         self.last_token.index_copy_(0, slot_d, first)
         self.query_start.index_copy_(0, slot_d, length_d - 1)

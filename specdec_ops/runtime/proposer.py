@@ -22,13 +22,15 @@ tokens), ``query_start_loc`` [n + 1], ``seq_lens`` [n] (target sequence
 lengths, query included), ``idx_mapping`` [n] (batch row -> request slot),
 ``num_rejected`` [n], ``last_sampled`` [num_slots] (per request slot: the
 target's newest token), ``temperature`` [n] float (0 = greedy) and ``seeds``
-[n] int64 (per batch row). Integer inputs may be int32 or int64, all on the
+[n] int64 (per batch row); with ``filters``, also ``top_k`` [n] int, ``top_p``
+[n] float and ``min_p`` [n] float (per batch row; off: 0, 1 and 0). Integer inputs may be int32 or int64, all on the
 proposer's device (host tensors would make the input copies synchronize);
 ``input_ids`` may run past ``query_start_loc[n]`` (padding). Float ids or
 tensors on another device are refused with a ValueError. It returns
 ``draft_tokens`` [n, k] int64 and, with ``with_probs``, ``draft_probs``
-[n, k, V] float32 (softmax(logits / T), one-hot for greedy rows) for the
-rejection sampler. Both are views of persistent buffers, valid until the
+[n, k, V] float32 (softmax(logits / T), one-hot for greedy rows; with
+``filters``, the processed distribution that `sample_draft_filtered` draws
+from) for the rejection sampler. Both are views of persistent buffers, valid until the
 next call.
 
 KV cache. Paged: ``kv_caches``, one tensor per layer, [num_blocks * block_size,
@@ -47,7 +49,7 @@ Padding and graphs. Inputs are copied into persistent buffers sized
 captured size (B requests from ``batch_sizes``, T tokens from
 ``token_sizes``); the live counts n and t travel as a device tensor, so
 changing n or t within a size neither recompiles nor re-records. Padded rows
-get an empty query, temperature 0, seed 0, no rejections and the spare slot;
+get an empty query, temperature 0, seed 0, no rejections, no filters and the spare slot;
 padded tokens (and tokens past ``query_start_loc[n]``) write the null block.
 No host sync, no data-dependent shape: each (B, T) is one compiled graph and,
 on CUDA, one captured CUDA graph replayed per call (``cuda_graphs=True``, the
@@ -80,6 +82,8 @@ MAX_CACHED_ROUND_SIZES = 128
 _INT_DTYPES = (torch.int32, torch.int64)
 _INPUT_NAMES = ("input_ids", "positions", "query_start_loc", "seq_lens", "idx_mapping", "num_rejected",
                 "last_sampled", "temperature", "seeds")
+_FILTER_NAMES = ("top_k", "top_p", "min_p")
+_FLOAT_INPUTS = ("temperature", "top_p", "min_p")
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,10 @@ class PaddedInputs(NamedTuple):
     num_rejected: torch.Tensor  # [B] int32, 0 on padded rows
     temperature: torch.Tensor  # [B] float32, 0 (greedy) on padded rows
     seeds: torch.Tensor  # [B] int64, 0 on padded rows
+    # With filters (else None): [B] top_k int64, top_p and min_p float32; off (0, 1, 0) on padded rows.
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
 
 
 class Step0Batch(NamedTuple):
@@ -169,15 +177,16 @@ def resolve_device(device: torch.device | str) -> torch.device:
 
 
 def check_round_inputs(owner: str, device: torch.device, named: dict) -> None:
-    """Refuses round inputs on another device or of the wrong kind: ids and counts integer, temperature float."""
+    """Refuses round inputs on another device or of the wrong kind: ids, counts and top_k integer; temperature,
+    top_p and min_p float."""
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(f"{owner}: argument '{name}' must be a tensor, got {type(tensor).__name__}")
         if tensor.device != device:
             raise ValueError(f"{owner}: argument '{name}' must be on {device}, got {tensor.device}")
-        if name == "temperature":
+        if name in _FLOAT_INPUTS:
             if not tensor.is_floating_point():
-                raise ValueError(f"{owner}: argument 'temperature' must be a float tensor, got {tensor.dtype}")
+                raise ValueError(f"{owner}: argument '{name}' must be a float tensor, got {tensor.dtype}")
         elif tensor.dtype not in _INT_DTYPES:
             raise ValueError(f"{owner}: argument '{name}' must be int32 or int64, got {tensor.dtype}")
 
@@ -193,10 +202,14 @@ class DraftProposer:
         cuda_graphs: True (default on CUDA): one captured CUDA graph per padded size; "reduce-overhead":
             torch.compile's CUDA-graph trees; False: no graphs.
         with_probs: also write the draft distributions (needed by the rejection sampler).
+        filters: draw each draft from the processed distribution of its logits (temperature, then top-k, top-p
+            and min-p; `specdec_ops.sample_draft_filtered`), so propose() takes top_k, top_p and min_p too.
+            False: softmax(logits / T) (`specdec_ops.sample_draft`), which is what the filters give when off.
     """
 
     def __init__(self, model: torch.nn.Module, config: ProposerConfig, *, device: torch.device | str,
-                 compile: bool = True, cuda_graphs: bool | str | None = None, with_probs: bool = True):
+                 compile: bool = True, cuda_graphs: bool | str | None = None, with_probs: bool = True,
+                 filters: bool = False):
         device = resolve_device(device)
         if config.num_speculative_tokens < 1:
             raise ValueError("DraftProposer: num_speculative_tokens must be >= 1")
@@ -205,6 +218,7 @@ class DraftProposer:
         self.config = config
         self.device = device
         self.with_probs = with_probs
+        self.filters = filters
         self.k = config.num_speculative_tokens
         self.max_model_len = config.max_model_len
         self.block_size = config.block_size
@@ -229,19 +243,30 @@ class DraftProposer:
 
     @torch.no_grad()
     def propose(self, input_ids, positions, query_start_loc, seq_lens, idx_mapping, num_rejected, last_sampled,
-                temperature, seeds):
+                temperature, seeds, *, top_k=None, top_p=None, min_p=None):
         """One propose round; returns (draft_tokens [n, k] int64, draft_probs [n, k, V] float32 or None).
 
-        The arguments are described in the module docstring; all are tensors on the proposer's device.
+        The arguments are described in the module docstring; all are tensors on the proposer's device. top_k,
+        top_p and min_p are required with ``filters`` and refused without.
         """
-        check_round_inputs("DraftProposer.propose", self.device, dict(zip(_INPUT_NAMES, (
-            input_ids, positions, query_start_loc, seq_lens, idx_mapping, num_rejected, last_sampled, temperature,
-            seeds))))
+        named = dict(zip(_INPUT_NAMES, (input_ids, positions, query_start_loc, seq_lens, idx_mapping, num_rejected,
+                                        last_sampled, temperature, seeds)))
+        given = dict(zip(_FILTER_NAMES, (top_k, top_p, min_p)))
+        for name, value in given.items():
+            if (value is None) == self.filters:
+                raise ValueError(f"DraftProposer.propose: argument '{name}' "
+                                 + ("is required: the proposer has filters=True" if self.filters else
+                                    "needs a proposer built with filters=True"))
+        if self.filters:
+            named.update(given)
+        check_round_inputs("DraftProposer.propose", self.device, named)
         num_reqs, num_tokens = query_start_loc.shape[0] - 1, input_ids.shape[0]
         copy = self._round_copy(num_reqs, num_tokens, last_sampled.shape[0])
+        filters = [top_k, top_p, min_p] if self.filters else []
         # One multi-tensor copy; stale entries past n and t are masked inside the step.
         torch._foreach_copy_(copy.buffers, [input_ids, positions, query_start_loc, seq_lens, idx_mapping,
-                                            num_rejected, temperature, seeds, last_sampled, *copy.live_counts])
+                                            num_rejected, temperature, seeds, last_sampled, *filters,
+                                            *copy.live_counts])
         self.runner.run(copy.batch, copy.tokens)
         probs = self.draft_probs[:num_reqs] if self.with_probs else None
         return self.draft_tokens[:num_reqs], probs
@@ -260,7 +285,7 @@ class DraftProposer:
             hidden = self.model(step0.input_ids, step0.positions, step0.metadata)
             logits = self.model.compute_logits(hidden[step0.last_token_indices])
             positions = step0.positions[step0.last_token_indices]
-            sampled = self._sample(logits, inputs.temperature, inputs.seeds, positions, 0, batch)
+            sampled = self._sample(logits, inputs, positions, 0, batch)
 
             seq_lens = torch.clamp(inputs.seq_lens - inputs.num_rejected + 1, max=self.max_model_len)
             blocks = self._block_tables()[inputs.idx_mapping.long()]
@@ -272,7 +297,7 @@ class DraftProposer:
                                              seq_lens, self.block_size, uniform_query_len=1)
                 hidden = self.model(input_ids, positions, metadata)
                 logits = self.model.compute_logits(hidden)
-                sampled = self._sample(logits, inputs.temperature, inputs.seeds, positions, step, batch)
+                sampled = self._sample(logits, inputs, positions, step, batch)
 
     def padded_inputs(self, batch: int, tokens: int) -> PaddedInputs:
         """The round's inputs at padded sizes: live rows from the buffers, padding rows made harmless."""
@@ -284,6 +309,11 @@ class DraftProposer:
         query_end = qsl.gather(0, num_reqs.view(1))
         qsl = torch.where(torch.arange(batch + 1, device=self.device) <= num_reqs, qsl, query_end)
         spare = self.num_slots
+        filters = {}
+        if self.filters:
+            filters = dict(top_k=torch.where(live, self.top_k[:batch], 0),
+                           top_p=torch.where(live, self.top_p[:batch], 1.0),
+                           min_p=torch.where(live, self.min_p[:batch], 0.0))
         return PaddedInputs(
             input_ids=torch.where(live_tokens, self.input_ids[:tokens], 0),
             positions=torch.where(live_tokens, self.positions[:tokens], 0),
@@ -293,6 +323,7 @@ class DraftProposer:
             num_rejected=torch.where(live, self.num_rejected[:batch], 0),
             temperature=torch.where(live, self.temperature[:batch], 0.0),
             seeds=torch.where(live, self.seeds[:batch], 0),
+            **filters,
         )
 
     def step0_inputs(self, inputs: PaddedInputs, batch: int, tokens: int) -> Step0Batch:
@@ -313,13 +344,19 @@ class DraftProposer:
         return Step0Batch(expanded.expanded_input_ids, expanded.expanded_positions, metadata,
                           expanded.last_token_indices)
 
-    def _sample(self, logits, temperature, seeds, positions, step: int, batch: int) -> torch.Tensor:
+    def _sample(self, logits, inputs: PaddedInputs, positions, step: int, batch: int) -> torch.Tensor:
         """Draft `step` of every row, written into draft_tokens (and draft_probs); returns the ids [batch]."""
-        if self.with_probs:
-            ids = torch.ops.specdec.sample_draft.with_probs(logits, temperature, seeds, positions,
-                                                            self.draft_probs[:batch, step])
+        probs = (self.draft_probs[:batch, step],) if self.with_probs else ()
+        if self.filters:
+            op = torch.ops.specdec.sample_draft_filtered
+            if logits.dtype == torch.float64:  # a float64 model (the tests' reference precision)
+                logits = logits.float()
+            ids = (op.with_probs if self.with_probs else op.default)(
+                logits, inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p, inputs.seeds, positions, *probs)
         else:
-            ids = torch.ops.specdec.sample_draft.default(logits, temperature, seeds, positions)
+            op = torch.ops.specdec.sample_draft
+            ids = (op.with_probs if self.with_probs else op.default)(logits, inputs.temperature, inputs.seeds,
+                                                                     positions, *probs)
         self.draft_tokens[:batch, step] = ids
         return ids
 
@@ -350,6 +387,10 @@ class DraftProposer:
         self.num_rejected = zeros(max_reqs, dtype=torch.int32)
         self.temperature = zeros(max_reqs, dtype=torch.float32)
         self.seeds = zeros(max_reqs, dtype=torch.int64)
+        # The filters (read with filters=True only), off by default.
+        self.top_k = zeros(max_reqs, dtype=torch.int64)
+        self.top_p = torch.ones(max_reqs, dtype=torch.float32, device=device)
+        self.min_p = zeros(max_reqs, dtype=torch.float32)
         self.last_sampled = zeros(self.num_slots + 1, dtype=torch.int64)  # + the spare slot
         self.live_counts = zeros(2, dtype=torch.int64)  # (n, t) of the current round
         # Device-side arange: live counts are copied from it, so no host->device copy (and no sync).
@@ -366,7 +407,8 @@ class DraftProposer:
         if cuda_graphs == "reduce-overhead":
             # cudagraph trees copy non-static inputs and skip graphs that mutate them: mark ours static.
             for buf in (self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.idx_mapping,
-                        self.num_rejected, self.temperature, self.seeds, self.last_sampled, self.live_counts,
+                        self.num_rejected, self.temperature, self.seeds, self.top_k, self.top_p, self.min_p,
+                        self.last_sampled, self.live_counts,
                         self.block_tables, self.draft_tokens, self.draft_probs, *self.kv_caches):
                 torch._dynamo.mark_static_address(buf)
 
@@ -407,6 +449,7 @@ class DraftProposer:
             [self.input_ids[:num_tokens], self.positions[:num_tokens], self.query_start_loc[: num_reqs + 1],
              self.seq_lens[:num_reqs], self.idx_mapping[:num_reqs], self.num_rejected[:num_reqs],
              self.temperature[:num_reqs], self.seeds[:num_reqs], self.last_sampled[:num_last_sampled],
+             *([self.top_k[:num_reqs], self.top_p[:num_reqs], self.min_p[:num_reqs]] if self.filters else []),
              self.live_counts[0:1], self.live_counts[1:2]],
             [self._counts_table[num_reqs: num_reqs + 1], self._counts_table[num_tokens: num_tokens + 1]],
         )
