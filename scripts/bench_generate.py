@@ -77,7 +77,8 @@ def parse_args(argv=None):
                    help="the acceptance (of the timed requests' own speculative run) to calibrate to, per batch")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy requests verified by greedy_verify; > 0: every request samples at this "
-                        "temperature (seed = its index) and speculation verifies by rejection sampling")
+                        "temperature (seed = its index) and speculation verifies by rejection sampling (or --method "
+                        "block)")
     p.add_argument("--method", choices=("auto", "rejection", "block"), default="auto",
                    help="verification with --temperature > 0 (auto: rejection sampling)")
     p.add_argument("--top-k", type=int, default=0, help="every request's top_k (0 = off)")
@@ -106,8 +107,12 @@ def parse_args(argv=None):
         p.error(f"--temperature must be finite and >= 0, got {args.temperature}")
     if args.method != "auto" and args.temperature == 0:
         p.error("--method rejection or block needs --temperature > 0")
-    if args.top_k < 0 or not 0 < args.top_p <= 1 or not 0 <= args.min_p <= 1:
-        p.error("--top-k must be >= 0, --top-p in (0, 1], --min-p in [0, 1]")
+    if args.top_k < 0:
+        p.error(f"--top-k must be an integer >= 0 (0 = off), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p must lie in (0, 1] (1 = off), got {args.top_p}")
+    if not 0 <= args.min_p <= 1:
+        p.error(f"--min-p must lie in [0, 1] (0 = off), got {args.min_p}")
     if filters_on(args) and args.temperature == 0:
         p.error("--top-k, --top-p and --min-p need --temperature > 0")
     return args

@@ -12,8 +12,11 @@ For k = 4, V in 32000 and 128256, B in 1, 16, 64, 256, target logits in bfloat16
 Inputs (``--inputs``): ``peaked`` rows are LLM-like: a bulk of N(0, 2^2) logits and 64 tokens per row lifted by
 4 + Exp(mean 4), so that the top token leads the median by about 15 and top-p 0.9 keeps a handful to a few dozen
 tokens; ``flat`` rows are N(0, 3^2) everywhere (no leading tokens: top-k's cut-off lies in a dense region, the harder
-case for the threshold search). The draft's logits are the target's plus N(0, 1) noise. Filters off, the kernels'
-work does not depend on the values, so only the filtered rows are timed on both inputs.
+case for the threshold search); ``outlier`` rows (``--cases``) are N(0, 45^2) with one token lifted by 1300, as the
+rows of a random-weight model with tied embeddings look (a token's own embedding dominates): the top-k cut-off lies
+far below the maximum. The draft's logits are the target's plus N(0, 1) noise. Filters off, the kernels'
+work does not depend on the values, so the default cases time only the filtered rows on both peaked and flat
+inputs.
 
 On CUDA the time is GPU microseconds per call from replays of a CUDA graph of 100 calls (scripts/_timing.py), and
 "x floor" is the time over the read floor: the target and draft inputs read once at 4.3 TB/s (the ``probs`` row
@@ -44,6 +47,10 @@ FILTERS = {"off": (1.0, 0, 1.0, 0.0), "top-k+top-p": (0.8, 50, 0.9, 0.0)}
 def make_logits(shape, inputs, gen, device):
     if inputs == "flat":
         return torch.randn(*shape, generator=gen, device=device) * 3
+    if inputs == "outlier":
+        logits = torch.randn(*shape, generator=gen, device=device) * 45
+        logits[..., 17] += 1300
+        return logits
     logits = torch.randn(*shape, generator=gen, device=device) * 2
     lead = torch.rand(*shape, generator=gen, device=device).argsort(-1)[..., :64]
     lift = 4 + torch.empty(*shape[:-1], 64, device=device).exponential_(1 / 4, generator=gen)
@@ -158,6 +165,10 @@ def main() -> int:
                         "specdec_ops/kernels/geometry.py, e.g. 'block_v=2048,num_warps=8,max_chunk=4096'")
     parser.add_argument("--batches", default="", help="comma-separated B values instead of the default set")
     parser.add_argument("--vocabs", default="", help="comma-separated V values instead of the default set")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated logit dtypes")
+    parser.add_argument("--cases", default="off:peaked,top-k+top-p:peaked,top-k+top-p:flat",
+                        help="comma-separated filters:inputs pairs (filters off or top-k+top-p; inputs peaked, flat "
+                        "or outlier)")
     parser.add_argument("--ops", default="logits,probs,block", help="which calls to time (the torch pipeline is "
                         "compared with the first)")
     args = parser.parse_args()
@@ -186,9 +197,16 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")] if args.batches else batches
     vocabs = [int(v) for v in args.vocabs.split(",")] if args.vocabs else vocabs
     print(HEADER, flush=True)
+    for name in args.dtypes.split(","):
+        if name not in ("bfloat16", "float16", "float32"):
+            parser.error(f"--dtypes: expected bfloat16, float16 or float32, got {name!r}")
+    cases = [tuple(case.split(":")) for case in args.cases.split(",")]
+    for filters, inputs in cases:
+        if filters not in FILTERS or inputs not in ("peaked", "flat", "outlier"):
+            parser.error(f"--cases: unknown case {filters}:{inputs}")
     for vocab in vocabs:
-        for dtype in (torch.bfloat16, torch.float32):
-            for filters, inputs in (("off", "peaked"), ("top-k+top-p", "peaked"), ("top-k+top-p", "flat")):
+        for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+            for filters, inputs in cases:
                 for batch in batches:
                     print_rows(bench(batch, vocab, dtype, filters, inputs, args.device, replays,
                                      tuple(args.ops.split(","))), args.device)

@@ -134,6 +134,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.method == "greedy" and args.temperature > 0:
         parser.error("--method greedy verifies by argmax; use --method rejection, block or typical with "
                      "--temperature > 0")
+    if _filters_on(args) and args.temperature == 0:
+        parser.error("--top-k, --top-p and --min-p filter sampled tokens: give --temperature > 0 (temperature 0 is "
+                     "greedy, which they do not change)")
     if args.method == "typical" and _filters_on(args):
         parser.error("--method typical takes the temperature only; --top-k, --top-p and --min-p need --method "
                      "rejection or block")

@@ -113,7 +113,8 @@ def test_compiled_equals_eager_without_recompiling(target, draft, sampling):
     if sampling:
         config = dataclasses.replace(config, method="block", sampling_filters=True)
         requests = [dataclasses.replace(r, temperature=0.0 if i == 0 else 0.7 + 0.1 * i, seed=i, top_k=(0, 8)[i % 2],
-                                        top_p=(1.0, 0.9, 0.7)[i % 3], min_p=0.02 * (i % 2)) for i, r in enumerate(requests)]
+                                        top_p=(1.0, 0.9, 0.7)[i % 3], min_p=0.02 * (i % 2))
+                    for i, r in enumerate(requests)]
     eager = Generator(target, draft, config, device="cpu", compile=False).generate(requests)
     compiled = Generator(target, draft, config, device="cpu", compile=True)
     compiled.warm_up()
@@ -454,6 +455,63 @@ def test_block_verification_accepts_at_least_as_many_drafts(filters):
 
 
 @pytest.mark.parametrize("method", ["rejection", "block"])
+def test_block_verification_never_reuses_a_draft_random_number(target, draft, monkeypatch, method):
+    # Block verification's stop point depends on every draft of the round, so a later round drafting with the
+    # same random numbers would propose from a distribution skewed by that outcome: each live draft draw of a
+    # request must have its own stream position. Token-wise rounds draft at the positions they continue from,
+    # which repeat across rounds (the outcome never depends on the drafts after the first rejection).
+    from specdec_ops.runtime.proposer import DraftProposer
+
+    draws = []
+    original = DraftProposer._draw_positions
+
+    def recording(self, inputs, positions, step):
+        drawn = original(self, inputs, positions, step)
+        live = inputs.idx_mapping < self.num_slots
+        draws.extend(zip(inputs.seeds[live].tolist(), drawn[live].tolist()))
+        return drawn
+
+    monkeypatch.setattr(DraftProposer, "_draw_positions", recording)
+    requests = [dataclasses.replace(r, max_new_tokens=20, temperature=0.8, seed=100 + i)
+                for i, r in enumerate(mixed_requests(12, 5))]
+    out = Generator(target, draft, small_config(3, method=method), device="cpu", compile=False).generate(requests)
+    assert out.metrics.rounds > 8 and len(draws) > 60
+    repeated = len(draws) - len(set(draws))
+    assert (repeated == 0) if method == "block" else (repeated > 0), repeated
+
+
+@pytest.mark.parametrize("method", ["rejection", "block"])
+def test_verification_streams_advance_per_round(target, draft, monkeypatch, method):
+    # Block verification runs the block verifier at offsets 0, k + 1, 2 (k + 1), .. of each request (a new request
+    # in a used slot starts at 0 again); token-wise rejection sampling at its drafts' positions.
+    from specdec_ops.runtime import generator as generator_module
+
+    k, calls = 3, []
+    original = generator_module.rejection_sample_logits
+
+    def recording(*args, **kwargs):
+        calls.append((kwargs["block_verification"], args[6].tolist(), args[7].tolist()))  # seeds, offsets
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(generator_module, "rejection_sample_logits", recording)
+    requests = [dataclasses.replace(r, temperature=0.8, seed=100 + i) for i, r in enumerate(mixed_requests(13, 6))]
+    Generator(target, draft, small_config(k, method=method), device="cpu", compile=False).generate(requests)
+    assert calls and all(block == (method == "block") for block, _, _ in calls)
+    offsets = {}  # seed -> the offsets its row was verified at, in order (a finished row repeats its last one)
+    for _, seeds, row_offsets in calls:
+        for seed, offset in zip(seeds, row_offsets):
+            if seed >= 100:
+                offsets.setdefault(seed, []).append(offset)
+    assert len(offsets) == len(requests) and any(len(set(o)) > 2 for o in offsets.values())
+    for seed, seen in offsets.items():
+        distinct = sorted(set(seen))
+        if method == "block":
+            assert distinct == [i * (k + 1) for i in range(len(distinct))], (seed, seen)
+        else:
+            assert distinct[0] == len(requests[seed - 100].prompt_ids) + 1, (seed, seen)  # the first draft's position
+
+
+@pytest.mark.parametrize("method", ["rejection", "block"])
 def test_top_k_1_and_min_p_1_sample_the_greedy_continuation(target, draft, joined_requests, method):
     # top_k = 1 (or min_p = 1) keeps only the most probable token: at any temperature the output is the greedy
     # continuation, so the filters must reach the first token, the draft and the verifier alike. The draft then
@@ -665,6 +723,7 @@ def test_command_json_on_the_random_model(capsys):
     (["--top-p", "0"], r"expected a number in \(0, 1\]"),
     (["--min-p", "1.5"], r"expected a number in \[0, 1\]"),
     (["--method", "typical", "--temperature", "0.5", "--top-p", "0.9"], "--method typical takes the temperature"),
+    (["--top-k", "50"], "give --temperature > 0"),
 ])
 def test_command_refuses_bad_flags(argv, message, capsys):
     from specdec_ops.generate import main

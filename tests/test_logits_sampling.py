@@ -475,6 +475,57 @@ def test_triton_gather_cap_of_the_gpu():
     torch.testing.assert_close(lp, expected_lp, **LOGPROB_TOL)
 
 
+def outlier_case(top_k: list[int]):
+    """Rows of V = 3000 whose maximum (entry 17) leads the rest by about 1300 logits, as a token's own tied
+    embedding gives random weights: every other entry lies below the row's 63 histogram bins."""
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(len(top_k), 2, 3000, generator=gen) * 45
+    target[:, :, 17] += 1300
+    n = len(top_k)
+    return target, (torch.ones(n), torch.tensor(top_k), torch.ones(n), torch.zeros(n))
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA, reason="needs the Triton interpreter")
+def test_triton_outlier_maximum_keeps_a_tight_candidate_bound(monkeypatch):
+    """The statistics pass's candidate bound for top-k on rows with an outlier maximum: anchored on the chunks' own
+    top bins, it lies at or below the top_k-th largest entry (so the gather holds the kept set) and leaves few
+    entries above it, where the row's top bin alone leaves every entry (and the whole-row search). 47 chunks of 64
+    entries, as a 128256-entry row has 63 on the GPU."""
+    target, params = outlier_case([5, 20, 40])
+    monkeypatch.setattr(kernels, "_filter_kernel", _NoLaunch())  # the statistics pass's bound stays in stats
+    stats = kernels._row_statistics(target, None, 1, 2, *params, 64, 47, None, fused_filter=False)
+    rows = target.reshape(-1, 3000)
+    for g, row in enumerate(rows):
+        top_k = int(params[1][g // 2])
+        kth = row.sort(descending=True).values[top_k - 1]
+        key = int(stats[g, 1])
+        bound = torch.tensor([key if key >= 0 else key ^ 0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
+        above = int((row >= bound).sum())
+        assert bound <= kth and above <= 2 * top_k + 16, (g, float(bound), float(kth), above)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_outlier_maximum_matches_reference():
+    target, params = outlier_case([5, 20, 40])
+    gen = torch.Generator().manual_seed(1)
+    drafts = torch.randint(0, 3000, (3, 1), generator=gen)
+    drafts[0, 0] = 17
+    args = (target, drafts, None, target[:, :1] + 0.5, *params, torch.tensor([1, 2, 3]), torch.tensor([0, 5, 9]))
+    for block in (False, True):
+        check_against_reference(run_triton, args, block, block_v=64, num_chunks=47)
+    draft_args = (target[:, 1].contiguous(), *params, torch.tensor([4, 5, 6]), torch.tensor([1, 2, 3]))
+    probs = torch.empty(3, 3000)
+    want_probs = torch.empty(3, 3000)
+    assert torch.equal(draft_triton(draft_args, probs, block_v=64, num_chunks=47),
+                       specdec_ops.sample_draft_filtered_reference(*draft_args, probs=want_probs))
+    torch.testing.assert_close(probs, want_probs, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_batch_invariance_and_fresh_draws(kernel):
     args = make_case(41, 6, 2, 30, draft="probs")

@@ -229,6 +229,10 @@ def test_filtered_drafts(model):
                        min_p=torch.zeros(n))
     with pytest.raises(ValueError, match="argument 'top_k' needs a proposer built with filters=True"):
         plain.propose(**batch, top_k=torch.ones(n, dtype=torch.int32))
+    with pytest.raises(ValueError, match=rf"argument 'top_p' must have shape \[{n}\]"):  # not broadcast
+        greedy.propose(**batch, top_k=torch.ones(n, dtype=torch.int32), top_p=torch.ones(n + 1), min_p=torch.zeros(n))
+    with pytest.raises(ValueError, match="argument 'stream_offsets' needs a proposer built with round_streams=True"):
+        plain.propose(**batch, stream_offsets=torch.zeros(n, dtype=torch.int64))
 
 
 def test_padded_sizes_and_block_pool():

@@ -293,6 +293,41 @@ def _store_partial_tl(partial_ptr, top, total, argmax, top_bin):
 
 
 @triton.jit
+def _anchored_top_k_bound_tl(hist_ptr, bins, in_row, top_k, NUM_BINS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A bin level at or below the top_k-th largest x of a row whose histogram aligned on its top bin does not
+    reach top_k (an outlier maximum far above the rest, as a token's own tied embedding gives random weights):
+    the histograms aligned instead on the q-th highest chunk top bin, q = 2, 4, .., 32. Counts are lower bounds
+    (entries past a chunk's 63 bins are not counted), so a level whose count reaches top_k is at most the
+    top_k-th largest; the highest such level, or -inf. hist_ptr: the row's [num_chunks, NUM_BINS] histograms;
+    bins [BLOCK_C]: the chunks' top bins."""
+    chunk = tl.arange(0, BLOCK_C)
+    depth = tl.arange(0, NUM_BINS)
+    finite = in_row & (bins > float("-inf")) & (bins < float("inf"))  # NaN compares false
+    ordered = tl.sort(tl.where(finite, bins, float("-inf")), descending=True)
+    rows = hist_ptr + chunk[:, None] * NUM_BINS
+    best = tl.full([], float("-inf"), tl.float32)
+    for a in tl.static_range(1, 6):
+        anchor = tl.max(tl.where(chunk == (1 << a) - 1, ordered, float("-inf")), axis=0)
+        # Chunk c's bin j holds level bins[c] - j = anchor - (j - shift[c]): above the anchor when j < shift[c],
+        # at depth d below it when j = shift[c] + d.
+        # (clamped: past NUM_BINS either way every bin is above the anchor, or none reaches it)
+        shift = tl.minimum(tl.maximum(tl.where(finite, bins - anchor, 0.0), -NUM_BINS), NUM_BINS).to(tl.int32)
+        source = depth[None, :] + shift[:, None]
+        anchored = finite & (tl.zeros([BLOCK_C], tl.float32) + anchor > float("-inf"))  # a tensor & (interpreter)
+        exact = anchored[:, None] & (depth[None, :] < NUM_BINS - 1)
+        at_depth = tl.sum(tl.load(rows + tl.where(exact & (source >= 0) & (source < NUM_BINS - 1), source, 0),
+                                  mask=exact & (source >= 0) & (source < NUM_BINS - 1), other=0,
+                                  cache_modifier=".cg"), axis=0)
+        above = tl.sum(tl.sum(tl.load(rows + depth[None, :], mask=exact & (depth[None, :] < shift[:, None]), other=0,
+                                      cache_modifier=".cg"), axis=1), axis=0)
+        reached = above + tl.cumsum(at_depth, axis=0) >= top_k
+        shallowest = tl.min(tl.where(reached, depth, NUM_BINS), axis=0)
+        level = tl.where(shallowest < NUM_BINS, anchor - shallowest.to(tl.float32), float("-inf"))
+        best = tl.maximum(best, level)
+    return best
+
+
+@triton.jit
 def _stats_kernel(
     target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, partial_ptr, hist_ptr,
     ticket_ptr, candidates_ptr, kept_mass_ptr, workspace_ptr, k, vocab, chunk_len, num_chunks, chunks_per_program,
@@ -366,6 +401,11 @@ def _stats_kernel(
             shallowest = tl.min(tl.where(reached, depth, NUM_BINS), axis=0)
             bound_x = (row_bin - shallowest.to(tl.float32)) / BIN_SCALE
             ok = (shallowest < NUM_BINS) & (row_bin > float("-inf")) & (row_bin < float("inf"))
+            if BLOCK_C > 1:  # a row of one chunk has no other top bin to anchor on
+                if k_on & ~ok:
+                    bound_x = _anchored_top_k_bound_tl(hist_ptr + g * num_chunks * NUM_BINS, bins, in_row, top_k,
+                                                       NUM_BINS, BLOCK_C) / BIN_SCALE
+                    ok = bound_x > float("-inf")
             tau = tl.where(ok, _order_key_tl(bound_x / t), tau)
         _store_stats_tl(stats_ptr + g * 4, m, tau, mass, argmax)
         if FUSED_FILTER:

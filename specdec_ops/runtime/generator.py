@@ -53,11 +53,12 @@ cap, so they stop at the same token. A prompt longer than ``max_model_len - k - 
 
 Randomness: every draw is a pure function of (the request's seed, a position or round, the op's purpose), so a
 request's tokens do not depend on the other requests in the batch or on when it was admitted. The draft draws at
-the positions of the tokens it is fed, the token-wise rejection sampler at the drafts' positions (its own
-purposes), block verification at offsets that advance by k + 1 per round of the request (its stop point may read
-every ACCEPT number of a round, so no later round may reuse one), and the target's own draws (first token,
-target-only rounds) at the new token's position + TARGET_STREAM_OFFSET, so no two draws that must be independent
-share a random number.
+the positions of the tokens it is fed and the token-wise rejection sampler at the drafts' positions (its own
+purposes); with block verification both draw at offsets that advance by k + 1 per round of the request instead
+(the verifier from ``verify_offset``, the draft from it + BLOCK_DRAFT_STREAM_OFFSET), because its stop point
+depends on every ACCEPT number and every draft of the round, so no later round may reuse one of their random
+numbers; the target's own draws (first token, target-only rounds) are at the new token's position +
+TARGET_STREAM_OFFSET. So no two draws that must be independent share a random number.
 
 Sampling parameters. Each request has a temperature and, with ``sampling_filters``, top-k, top-p and min-p: the
 processed distribution of `specdec_ops.ops.logits_sampling` is what the target samples (first token, target-only
@@ -93,6 +94,10 @@ STOP_NAMES = {STOP_EOS: "eos", STOP_MAX_TOKENS: "max_tokens", STOP_LENGTH: "leng
 # position plus this offset: the draft draws at the positions of the tokens it is fed, and a shared random number
 # would correlate a draft with the token it continues, which biases rejection sampling.
 TARGET_STREAM_OFFSET = 1 << 40
+# With block verification the draft draws step s of a round at verify_offset + s plus this offset (clear of the
+# target's positions + TARGET_STREAM_OFFSET): the round's stop point depends on all its drafts, so the next round
+# must not draft with the numbers that made them, as drafting at the positions it continues from would.
+BLOCK_DRAFT_STREAM_OFFSET = 1 << 41
 # Prompt tokens per prefill forward (the admitted prompts are packed, longer ones split): on the CPU the attention
 # is the reference gather, which builds [T, C] context slots; on CUDA the Triton kernel reads the cache in place.
 PREFILL_CHUNK = 256
@@ -325,7 +330,8 @@ class Generator:
             # The generator traces the proposer's step inside its own round: the proposer itself is eager.
             self.proposer = DraftProposer(self.draft, config, device=device, compile=False, cuda_graphs=False,
                                           with_probs=self.config.method in SAMPLING_METHODS,
-                                          filters=self.config.sampling_filters)
+                                          filters=self.config.sampling_filters,
+                                          round_streams=self.config.method == "block")
             self.block_table = self.proposer.block_table
         else:
             self.proposer = None
@@ -398,6 +404,8 @@ class Generator:
             proposer.top_p[:batch] = self.top_p[:batch]
             proposer.min_p[:batch] = self.min_p[:batch]
         proposer.seeds[:batch] = self.seeds[:batch]
+        if proposer.round_streams:
+            proposer.stream_offsets[:batch] = self.verify_offset[:batch] + BLOCK_DRAFT_STREAM_OFFSET
         proposer.last_sampled[:batch] = self.last_token[:batch]
         proposer.live_counts[0] = batch
         proposer.live_counts[1] = tokens

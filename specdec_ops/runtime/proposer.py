@@ -9,11 +9,12 @@ tokens per request.
   tokens, the correction token ``last_sampled[slot]``, the rejected slots), one
   draft-model forward runs over it (writing KV for every expanded slot; those
   of rejected slots hold garbage that a later round overwrites), and
-  ``specdec::sample_draft`` draws draft 1 at each request's correction token.
+  ``specdec::sample_draft`` (``sample_draft_filtered`` with ``filters``) draws
+  draft 1 at each request's correction token.
 - Steps 1..k-1: ``specdec::advance_draft_step`` feeds each request's last draft
   back one position further on (positions clamped to ``max_model_len - 1``,
   sequence lengths to ``max_model_len``), one single-token forward per
-  request, and ``sample_draft`` draws the next draft. Decoding starts at the
+  request, and the sampler draws the next draft. Decoding starts at the
   correction token's position with ``seq_lens - num_rejected + 1``.
 
 Inputs of `DraftProposer.propose` (one round; n requests, t tokens):
@@ -23,15 +24,16 @@ lengths, query included), ``idx_mapping`` [n] (batch row -> request slot),
 ``num_rejected`` [n], ``last_sampled`` [num_slots] (per request slot: the
 target's newest token), ``temperature`` [n] float (0 = greedy) and ``seeds``
 [n] int64 (per batch row); with ``filters``, also ``top_k`` [n] int, ``top_p``
-[n] float and ``min_p`` [n] float (per batch row; off: 0, 1 and 0). Integer inputs may be int32 or int64, all on the
-proposer's device (host tensors would make the input copies synchronize);
-``input_ids`` may run past ``query_start_loc[n]`` (padding). Float ids or
-tensors on another device are refused with a ValueError. It returns
-``draft_tokens`` [n, k] int64 and, with ``with_probs``, ``draft_probs``
-[n, k, V] float32 (softmax(logits / T), one-hot for greedy rows; with
-``filters``, the processed distribution that `sample_draft_filtered` draws
-from) for the rejection sampler. Both are views of persistent buffers, valid until the
-next call.
+[n] float and ``min_p`` [n] float (per batch row; off: 0, 1 and 0); with
+``round_streams``, also ``stream_offsets`` [n] int. Integer inputs may be
+int32 or int64, all on the proposer's device (host tensors would make the
+input copies synchronize); ``input_ids`` may run past ``query_start_loc[n]``
+(padding). Float ids or tensors on another device are refused with a
+ValueError. It returns ``draft_tokens`` [n, k] int64 and, with
+``with_probs``, ``draft_probs`` [n, k, V] float32 (softmax(logits / T),
+one-hot for greedy rows; with ``filters``, the processed distribution that
+`sample_draft_filtered` draws from) for the rejection sampler. Both are views
+of persistent buffers, valid until the next call.
 
 KV cache. Paged: ``kv_caches``, one tensor per layer, [num_blocks * block_size,
 2, num_kv_heads, head_size] (block b holds cache slots ``b * block_size`` to
@@ -83,6 +85,7 @@ _INT_DTYPES = (torch.int32, torch.int64)
 _INPUT_NAMES = ("input_ids", "positions", "query_start_loc", "seq_lens", "idx_mapping", "num_rejected",
                 "last_sampled", "temperature", "seeds")
 _FILTER_NAMES = ("top_k", "top_p", "min_p")
+_OPTIONAL_INPUTS = (("filters", _FILTER_NAMES), ("round_streams", ("stream_offsets",)))
 _FLOAT_INPUTS = ("temperature", "top_p", "min_p")
 
 
@@ -128,6 +131,7 @@ class PaddedInputs(NamedTuple):
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
     min_p: torch.Tensor | None = None
+    stream_offsets: torch.Tensor | None = None  # with round_streams: [B] int64, 0 on padded rows
 
 
 class Step0Batch(NamedTuple):
@@ -205,11 +209,15 @@ class DraftProposer:
         filters: draw each draft from the processed distribution of its logits (temperature, then top-k, top-p
             and min-p; `specdec_ops.sample_draft_filtered`), so propose() takes top_k, top_p and min_p too.
             False: softmax(logits / T) (`specdec_ops.sample_draft`), which is what the filters give when off.
+        round_streams: draw draft step s of a row at random-stream position ``stream_offsets[row] + s`` instead of
+            at the position of the token it is fed, so propose() takes stream_offsets. Block verification needs it:
+            its stop point depends on the drafts after it, so a later round must not reuse their random numbers,
+            as drafting at the positions it continues from would.
     """
 
     def __init__(self, model: torch.nn.Module, config: ProposerConfig, *, device: torch.device | str,
                  compile: bool = True, cuda_graphs: bool | str | None = None, with_probs: bool = True,
-                 filters: bool = False):
+                 filters: bool = False, round_streams: bool = False):
         device = resolve_device(device)
         if config.num_speculative_tokens < 1:
             raise ValueError("DraftProposer: num_speculative_tokens must be >= 1")
@@ -219,6 +227,7 @@ class DraftProposer:
         self.device = device
         self.with_probs = with_probs
         self.filters = filters
+        self.round_streams = round_streams
         self.k = config.num_speculative_tokens
         self.max_model_len = config.max_model_len
         self.block_size = config.block_size
@@ -243,29 +252,38 @@ class DraftProposer:
 
     @torch.no_grad()
     def propose(self, input_ids, positions, query_start_loc, seq_lens, idx_mapping, num_rejected, last_sampled,
-                temperature, seeds, *, top_k=None, top_p=None, min_p=None):
+                temperature, seeds, *, top_k=None, top_p=None, min_p=None, stream_offsets=None):
         """One propose round; returns (draft_tokens [n, k] int64, draft_probs [n, k, V] float32 or None).
 
         The arguments are described in the module docstring; all are tensors on the proposer's device. top_k,
-        top_p and min_p are required with ``filters`` and refused without.
+        top_p and min_p are required with ``filters`` and refused without; stream_offsets likewise with
+        ``round_streams``.
         """
         named = dict(zip(_INPUT_NAMES, (input_ids, positions, query_start_loc, seq_lens, idx_mapping, num_rejected,
                                         last_sampled, temperature, seeds)))
-        given = dict(zip(_FILTER_NAMES, (top_k, top_p, min_p)))
-        for name, value in given.items():
-            if (value is None) == self.filters:
-                raise ValueError(f"DraftProposer.propose: argument '{name}' "
-                                 + ("is required: the proposer has filters=True" if self.filters else
-                                    "needs a proposer built with filters=True"))
-        if self.filters:
-            named.update(given)
-        check_round_inputs("DraftProposer.propose", self.device, named)
+        given = dict(top_k=top_k, top_p=top_p, min_p=min_p, stream_offsets=stream_offsets)
+        optional = []
+        for flag, names in _OPTIONAL_INPUTS:
+            on = getattr(self, flag)
+            for name in names:
+                if (given[name] is None) == on:
+                    raise ValueError(f"DraftProposer.propose: argument '{name}' " + (
+                        f"is required: the proposer has {flag}=True" if on else
+                        f"needs a proposer built with {flag}=True"))
+                if on:
+                    named[name] = given[name]
+                    optional.append(given[name])
         num_reqs, num_tokens = query_start_loc.shape[0] - 1, input_ids.shape[0]
+        for name in ("temperature", "seeds") + tuple(n for n in given if given[n] is not None):
+            tensor = named.get(name)
+            if isinstance(tensor, torch.Tensor) and tuple(tensor.shape) != (num_reqs,):
+                raise ValueError(f"DraftProposer.propose: argument '{name}' must have shape [{num_reqs}] (one entry "
+                                 f"per request), got {tuple(tensor.shape)}")
+        check_round_inputs("DraftProposer.propose", self.device, named)
         copy = self._round_copy(num_reqs, num_tokens, last_sampled.shape[0])
-        filters = [top_k, top_p, min_p] if self.filters else []
         # One multi-tensor copy; stale entries past n and t are masked inside the step.
         torch._foreach_copy_(copy.buffers, [input_ids, positions, query_start_loc, seq_lens, idx_mapping,
-                                            num_rejected, temperature, seeds, last_sampled, *filters,
+                                            num_rejected, temperature, seeds, last_sampled, *optional,
                                             *copy.live_counts])
         self.runner.run(copy.batch, copy.tokens)
         probs = self.draft_probs[:num_reqs] if self.with_probs else None
@@ -309,11 +327,13 @@ class DraftProposer:
         query_end = qsl.gather(0, num_reqs.view(1))
         qsl = torch.where(torch.arange(batch + 1, device=self.device) <= num_reqs, qsl, query_end)
         spare = self.num_slots
-        filters = {}
+        optional = {}
         if self.filters:
-            filters = dict(top_k=torch.where(live, self.top_k[:batch], 0),
-                           top_p=torch.where(live, self.top_p[:batch], 1.0),
-                           min_p=torch.where(live, self.min_p[:batch], 0.0))
+            optional.update(top_k=torch.where(live, self.top_k[:batch], 0),
+                            top_p=torch.where(live, self.top_p[:batch], 1.0),
+                            min_p=torch.where(live, self.min_p[:batch], 0.0))
+        if self.round_streams:
+            optional["stream_offsets"] = torch.where(live, self.stream_offsets[:batch], 0)
         return PaddedInputs(
             input_ids=torch.where(live_tokens, self.input_ids[:tokens], 0),
             positions=torch.where(live_tokens, self.positions[:tokens], 0),
@@ -323,7 +343,7 @@ class DraftProposer:
             num_rejected=torch.where(live, self.num_rejected[:batch], 0),
             temperature=torch.where(live, self.temperature[:batch], 0.0),
             seeds=torch.where(live, self.seeds[:batch], 0),
-            **filters,
+            **optional,
         )
 
     def step0_inputs(self, inputs: PaddedInputs, batch: int, tokens: int) -> Step0Batch:
@@ -345,8 +365,10 @@ class DraftProposer:
                           expanded.last_token_indices)
 
     def _sample(self, logits, inputs: PaddedInputs, positions, step: int, batch: int) -> torch.Tensor:
-        """Draft `step` of every row, written into draft_tokens (and draft_probs); returns the ids [batch]."""
+        """Draft `step` of every row, written into draft_tokens (and draft_probs); returns the ids [batch].
+        positions: the fed tokens' positions, where the draws are, unless round_streams places them."""
         probs = (self.draft_probs[:batch, step],) if self.with_probs else ()
+        positions = self._draw_positions(inputs, positions, step)
         if self.filters:
             op = torch.ops.specdec.sample_draft_filtered
             if logits.dtype == torch.float64:  # a float64 model (the tests' reference precision)
@@ -359,6 +381,11 @@ class DraftProposer:
                                                                      positions, *probs)
         self.draft_tokens[:batch, step] = ids
         return ids
+
+    def _draw_positions(self, inputs: PaddedInputs, positions: torch.Tensor, step: int) -> torch.Tensor:
+        """[B] int64: where in each row's random stream draft `step` is drawn (the fed tokens' positions, or
+        stream_offsets + step with round_streams)."""
+        return inputs.stream_offsets + step if self.round_streams else positions
 
     def _block_tables(self) -> torch.Tensor:
         # Clamped so that no block-table value can index outside the cache.
@@ -391,6 +418,7 @@ class DraftProposer:
         self.top_k = zeros(max_reqs, dtype=torch.int64)
         self.top_p = torch.ones(max_reqs, dtype=torch.float32, device=device)
         self.min_p = zeros(max_reqs, dtype=torch.float32)
+        self.stream_offsets = zeros(max_reqs, dtype=torch.int64)  # read with round_streams=True only
         self.last_sampled = zeros(self.num_slots + 1, dtype=torch.int64)  # + the spare slot
         self.live_counts = zeros(2, dtype=torch.int64)  # (n, t) of the current round
         # Device-side arange: live counts are copied from it, so no host->device copy (and no sync).
@@ -408,7 +436,7 @@ class DraftProposer:
             # cudagraph trees copy non-static inputs and skip graphs that mutate them: mark ours static.
             for buf in (self.input_ids, self.positions, self.query_start_loc, self.seq_lens, self.idx_mapping,
                         self.num_rejected, self.temperature, self.seeds, self.top_k, self.top_p, self.min_p,
-                        self.last_sampled, self.live_counts,
+                        self.stream_offsets, self.last_sampled, self.live_counts,
                         self.block_tables, self.draft_tokens, self.draft_probs, *self.kv_caches):
                 torch._dynamo.mark_static_address(buf)
 
@@ -450,6 +478,7 @@ class DraftProposer:
              self.seq_lens[:num_reqs], self.idx_mapping[:num_reqs], self.num_rejected[:num_reqs],
              self.temperature[:num_reqs], self.seeds[:num_reqs], self.last_sampled[:num_last_sampled],
              *([self.top_k[:num_reqs], self.top_p[:num_reqs], self.min_p[:num_reqs]] if self.filters else []),
+             *([self.stream_offsets[:num_reqs]] if self.round_streams else []),
              self.live_counts[0:1], self.live_counts[1:2]],
             [self._counts_table[num_reqs: num_reqs + 1], self._counts_table[num_tokens: num_tokens + 1]],
         )
