@@ -41,7 +41,8 @@ forward to cost one target step. Requests are greedy by default (verified by gre
 they sample at T (request i's seed is i; target-only samples too) and speculation verifies by rejection sampling,
 whose acceptance is a coin per draft (sum of min(p, q)) rather than greedy's all-or-nothing match of a repeating
 continuation; --method block verifies by block verification instead, and --top-k / --top-p / --min-p add the
-sampling filters to every request (the generator is then built with sampling_filters, for both paths). The JSON (and the table on stderr) is rewritten after every batch size.
+sampling filters to every request (the generator is then built with sampling_filters, for both paths). The JSON
+(and the table on stderr) is rewritten after every batch size.
 """
 from __future__ import annotations
 

@@ -315,8 +315,8 @@ def _anchored_top_k_bound_tl(hist_ptr, bins, in_row, top_k, NUM_BINS: tl.constex
         source = depth[None, :] + shift[:, None]
         anchored = finite & (tl.zeros([BLOCK_C], tl.float32) + anchor > float("-inf"))  # a tensor & (interpreter)
         exact = anchored[:, None] & (depth[None, :] < NUM_BINS - 1)
-        at_depth = tl.sum(tl.load(rows + tl.where(exact & (source >= 0) & (source < NUM_BINS - 1), source, 0),
-                                  mask=exact & (source >= 0) & (source < NUM_BINS - 1), other=0,
+        in_window = exact & (source >= 0) & (source < NUM_BINS - 1)
+        at_depth = tl.sum(tl.load(rows + tl.where(in_window, source, 0), mask=in_window, other=0,
                                   cache_modifier=".cg"), axis=0)
         above = tl.sum(tl.sum(tl.load(rows + depth[None, :], mask=exact & (depth[None, :] < shift[:, None]), other=0,
                                       cache_modifier=".cg"), axis=1), axis=0)
