@@ -88,6 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--requests-per-slot", type=int, default=1,
                    help="requests per batch slot (default 1: one wave of `batch` requests; more: a queue that "
                         "continuous batching admits into the slots that finish, the steady state of a server)")
+    p.add_argument("--read-every", default="8",
+                   help="rounds between host reads (GeneratorConfig.read_every); a comma-separated list times each "
+                        "value with the same compiled graphs and calibration, one row each (default 8)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     p.add_argument("--full-split", nargs="?", const="all", default=None,
                    help="also time the target and verification parts (at these comma-separated batch sizes, or all)")
@@ -102,6 +105,12 @@ def parse_args(argv=None):
         p.error("--k must be >= 1")
     if args.requests_per_slot < 1:
         p.error("--requests-per-slot must be >= 1")
+    try:
+        args.read_every = [int(v) for v in args.read_every.split(",")]
+    except ValueError:
+        p.error(f"--read-every must be comma-separated integers, got {args.read_every!r}")
+    if min(args.read_every) < 1:
+        p.error("--read-every values must be >= 1")
     if not 0 < args.alpha < 1:
         p.error("--alpha must lie in (0, 1)")
     if not args.temperature >= 0 or args.temperature == float("inf"):
@@ -248,7 +257,8 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
     max_model_len = -(-(args.prompt_len + args.new_tokens + k + 1) // 16) * 16
     method = "greedy" if args.temperature == 0 else ("rejection" if args.method == "auto" else args.method)
     config = GeneratorConfig(num_speculative_tokens=k, method=method, max_num_reqs=batch,
-                             max_model_len=max_model_len, block_size=16, batch_sizes=(batch,), read_every=8,
+                             max_model_len=max_model_len, block_size=16, batch_sizes=(batch,),
+                             read_every=args.read_every[0],
                              sampling_filters=filters_on(args))
     requests = [Request(p, args.new_tokens, temperature=args.temperature, seed=i, top_k=args.top_k,
                         top_p=args.top_p, min_p=args.min_p)
@@ -263,7 +273,7 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
     calibration = dict(damping=scale, calibration_acceptance=acceptance, calibration_s=time.perf_counter() - t0)
     print(f"  [{time.strftime('%H:%M:%S')}] batch {batch}: damping s = {scale:.4f}, acceptance {acceptance:.3f} "
           f"({calibration['calibration_s']:.1f} s with the compile)", file=sys.stderr, flush=True)
-    results = dict(calibration=calibration)
+    results = dict(calibration=calibration, timed={})
     for name, model_draft in (("plain", None), ("spec", draft)):
         t0 = time.perf_counter()
         generator = spec if model_draft is not None else Generator(target, None, config, device=device,
@@ -276,10 +286,13 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
         generator.generate([dataclasses.replace(r, max_new_tokens=8)
                             for r in requests])  # untimed: JIT of the admission's kernels
         warm = time.perf_counter() - t0
-        out = generator.generate(requests)
-        results[name] = dict(out=out, split=split, warm_up_s=warm)
-        print(f"  [{time.strftime('%H:%M:%S')}] batch {batch} {name}: warm-up {warm:.1f} s, "
-              f"{out.metrics.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
+        results[name] = dict(split=split, warm_up_s=warm)
+        for read_every in args.read_every:  # a host-loop setting: the same graphs serve every value
+            generator.config = dataclasses.replace(config, read_every=read_every)
+            out = generator.generate(requests)
+            results["timed"].setdefault(read_every, {})[name] = out
+            print(f"  [{time.strftime('%H:%M:%S')}] batch {batch} {name}, read_every {read_every}: warm-up "
+                  f"{warm:.1f} s, {out.metrics.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
         del generator
     return results
 
@@ -345,28 +358,9 @@ def main(argv=None) -> int:
     rows, k = [], args.k
     for batch in batches:
         result = our_run(target, draft, args, batch, prompts, device, compile, damping, hf_damping)
-        plain, spec = result["plain"]["out"].metrics, result["spec"]["out"].metrics
-        alpha = spec.acceptance_rate
-        c = result["spec"]["split"]["draft"] / k / result["plain"]["split"]["round"]
-        predicted = (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)) if alpha < 1 else (k + 1) / (k * c + 1)
-        measured = spec.tokens_per_s / plain.tokens_per_s
-        same = sum(a.token_ids == b.token_ids for a, b in zip(result["spec"]["out"].requests,
-                                                               result["plain"]["out"].requests))
-        num_requests = batch * args.requests_per_slot
-        row = dict(batch=batch, requests=num_requests, method=spec_method(args), **result["calibration"],
-                   plain_tokens_per_s=plain.tokens_per_s,
-                   spec_tokens_per_s=spec.tokens_per_s,
-                   alpha=alpha, alpha_realistic=alpha is not None and 0.5 <= alpha <= 0.9,
-                   acceptance_per_position=spec.acceptance_per_position, rounds=spec.rounds,
-                   plain_rounds=plain.rounds, admission_share=spec.admission_share,
-                   # live rows per round / batch: below 1 where requests that finished early leave rows idle
-                   occupancy=spec.row_rounds / (spec.rounds * batch) if spec.rounds else 0.0,
-                   plain_admission_share=plain.admission_share, spec_wall_s=spec.wall_s, plain_wall_s=plain.wall_s,
-                   mean_emitted_per_round=spec.mean_emitted_per_round, c=c, speedup=measured,
-                   predicted_speedup=predicted, efficiency=measured / predicted, host_share=spec.host_share,
-                   plain_host_share=plain.host_share, split_ms=result["spec"]["split"],
-                   plain_round_ms=result["plain"]["split"]["round"], identical_requests=f"{same}/{num_requests}" if args.temperature == 0 else "-",
-                   warm_up_s=result["spec"]["warm_up_s"] + result["plain"]["warm_up_s"])
+        for read_every, outs in result["timed"].items():
+            rows.append(make_row(args, batch, read_every, result, outs))
+        row = rows[-1]
         if batch == 1 and hf is not None:
             for mode in ("dynamic", "static", "assisted"):
                 try:
@@ -374,7 +368,6 @@ def main(argv=None) -> int:
                 except Exception as error:  # a transformers version without this path: report, keep going
                     row[f"hf_{mode}_tokens_per_s"] = None
                     row[f"hf_{mode}_error"] = f"{type(error).__name__}: {error}"[:200]
-        rows.append(row)
         document = dict(device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
                         torch=torch.__version__, dtype=str(dtype), shapes=shapes, k=k, prompt_len=args.prompt_len,
                         new_tokens=args.new_tokens, draft_layers=args.draft_layers, calibration_alpha=args.alpha,
@@ -391,6 +384,33 @@ def main(argv=None) -> int:
     return 0
 
 
+def make_row(args, batch: int, read_every: int, result: dict, outs: dict) -> dict:
+    """One table row: the target-only and speculative runs of a batch size at one read_every."""
+    k = args.k
+    plain, spec = outs["plain"].metrics, outs["spec"].metrics
+    alpha = spec.acceptance_rate
+    c = result["spec"]["split"]["draft"] / k / result["plain"]["split"]["round"]
+    predicted = (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)) if alpha < 1 else (k + 1) / (k * c + 1)
+    measured = spec.tokens_per_s / plain.tokens_per_s
+    same = sum(a.token_ids == b.token_ids for a, b in zip(outs["spec"].requests, outs["plain"].requests))
+    num_requests = batch * args.requests_per_slot
+    return dict(batch=batch, requests=num_requests, read_every=read_every, method=spec_method(args),
+                **result["calibration"],
+                plain_tokens_per_s=plain.tokens_per_s, spec_tokens_per_s=spec.tokens_per_s,
+                alpha=alpha, alpha_realistic=alpha is not None and 0.5 <= alpha <= 0.9,
+                acceptance_per_position=spec.acceptance_per_position, rounds=spec.rounds,
+                plain_rounds=plain.rounds, admission_share=spec.admission_share,
+                # live rows per round / batch: below 1 where requests that finished early leave rows idle
+                occupancy=spec.row_rounds / (spec.rounds * batch) if spec.rounds else 0.0,
+                plain_admission_share=plain.admission_share, spec_wall_s=spec.wall_s, plain_wall_s=plain.wall_s,
+                mean_emitted_per_round=spec.mean_emitted_per_round, c=c, speedup=measured,
+                predicted_speedup=predicted, efficiency=measured / predicted, host_share=spec.host_share,
+                plain_host_share=plain.host_share, split_ms=result["spec"]["split"],
+                plain_round_ms=result["plain"]["split"]["round"],
+                identical_requests=f"{same}/{num_requests}" if args.temperature == 0 else "-",
+                warm_up_s=result["spec"]["warm_up_s"] + result["plain"]["warm_up_s"])
+
+
 def markdown(doc) -> str:
     def f(value, pattern="{:.1f}"):
         return "-" if value is None else pattern.format(value)
@@ -402,7 +422,7 @@ def markdown(doc) -> str:
              f"prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, draft = target's first "
              f"{doc['draft_layers']} layers, {doc.get('method', 'greedy')} (the target's later layers damped by s, calibrated per batch on the "
              f"timed requests to an acceptance >= {doc['calibration_alpha']})", "",
-             "| batch (requests) | target-only tok/s | speculative tok/s | alpha (in 0.5-0.9) | mean emitted | c | speedup | "
+             "| batch (requests, read_every) | target-only tok/s | speculative tok/s | alpha (in 0.5-0.9) | mean emitted | c | speedup | "
              "predicted | efficiency | host share (admissions + waiting) | target-only host share | "
              "greedy identical | HF target-only tok/s (dynamic / static) | HF assisted tok/s | "
              "spec vs HF fastest target-only / assisted |",
@@ -411,7 +431,7 @@ def markdown(doc) -> str:
         fastest = max([v for v in (r.get("hf_dynamic_tokens_per_s"), r.get("hf_static_tokens_per_s")) if v],
                       default=None)
         lines.append(
-            f"| {r['batch']} ({r['requests']}) | {f(r['plain_tokens_per_s'])} | "
+            f"| {r['batch']} ({r['requests']}, {r.get('read_every', '-')}) | {f(r['plain_tokens_per_s'])} | "
             f"{f(r['spec_tokens_per_s'])} | "
             f"{f(r['alpha'], '{:.3f}')} ({'yes' if r['alpha_realistic'] else 'no'}) "
             f"| {f(r['mean_emitted_per_round'], '{:.2f}')} | {f(r['c'], '{:.3f}')} | {f(r['speedup'], '{:.2f}x')} | "

@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the rounds (default: on CUDA only)")
     p.add_argument("--max-model-len", type=_positive_int, default=None)
     p.add_argument("--read-every", type=_positive_int, default=4, help="rounds between host reads")
+    p.add_argument("--logprobs", choices=("raw", "processed"), default=None,
+                   help="also report each generated token's log-probability: raw = under the target's unscaled "
+                   "softmax; processed = under the distribution it was sampled from (0 when greedy)")
     p.add_argument("--no-plain", action="store_true", help="skip the target-only comparison")
     p.add_argument("--split", action="store_true", help="also time the draft / target / verification parts")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text and a table")
@@ -309,7 +312,7 @@ def main(argv=None) -> int:
     config = GeneratorConfig(num_speculative_tokens=args.k, method=method, max_num_reqs=slots,
                              max_model_len=max_model_len, block_size=block_size,
                              batch_sizes=args.batch_sizes or (slots,), read_every=args.read_every,
-                             sampling_filters=_filters_on(args))
+                             sampling_filters=_filters_on(args), logprobs=args.logprobs)
     show = not args.json or sys.stderr.isatty()
     try:
         spec_out = _run(Generator(target, draft, config, device=device, compile=compile), requests, "speculative",
@@ -324,6 +327,8 @@ def main(argv=None) -> int:
         entry = dict(prompt=text, prompt_token_ids=list(prompt_ids[index]), token_ids=result.token_ids,
                      text=_text(tokenizer, result.token_ids, eos), finish_reason=result.finish_reason,
                      num_tokens=len(result.token_ids))
+        if result.logprobs is not None:
+            entry["logprobs"] = result.logprobs
         if plain_out is not None:
             plain = plain_out.requests[index]
             entry.update(target_only_token_ids=plain.token_ids, matches_target_only=plain.token_ids == result.token_ids)
@@ -342,8 +347,10 @@ def main(argv=None) -> int:
         print(json.dumps(document, indent=2))
         return 0
     for entry in outputs:
+        logprob = "" if "logprobs" not in entry else \
+            f", sum of {args.logprobs} logprobs {sum(entry['logprobs']):.3f}"
         print(f"\n### {entry['prompt']}\n{entry['text']}\n[{entry['num_tokens']} tokens, {entry['finish_reason']}"
-              + ("" if plain_out is None or args.temperature > 0 else
+              + logprob + ("" if plain_out is None or args.temperature > 0 else
                  f", same as target-only: {entry['matches_target_only']}") + "]")
     print()
     print(_table(spec_out.metrics, plain_out.metrics if plain_out else None))

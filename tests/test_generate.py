@@ -1,7 +1,7 @@
 """Generator: speculative output equals target-only output (greedy) for every k with requests joining and leaving;
 compiled == eager; rejection sampling and block verification keep the target's distribution, with and without
 top-k / top-p / min-p (chi-square, with negative controls); typical acceptance; EOS / max tokens / max_model_len
-stops; slot and block reuse; bad inputs.
+stops; slot and block reuse; the generated tokens' log-probabilities against a dense reference; bad inputs.
 
 Models are the random-weight reference `DraftModel` in float64 (paged vs dense attention and verify vs decode
 shapes cannot flip an argmax). The draft is the target's first layer(s) (shared modules); the target's later layers
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specdec_ops.models import DraftModel, DraftModelConfig
-from specdec_ops.ops.logits_sampling import processed_distribution
+from specdec_ops.ops.logits_sampling import Processed, processed_distribution
 from specdec_ops.runtime.generator import Generator, GeneratorConfig, Request
 from support import greedy_reference, prefix_draft
 
@@ -108,10 +108,10 @@ def test_compiled_equals_eager_without_recompiling(target, draft, sampling):
     # One padded size, so one compile per generator; the live batch changes from round to round within it.
     # "block-filtered": block verification, every request sampled with its own filters (one greedy).
     k = 3
-    config = small_config(k, batch_sizes=(3,))
+    config = small_config(k, batch_sizes=(3,), logprobs="raw")
     requests = mixed_requests(20, 6)
     if sampling:
-        config = dataclasses.replace(config, method="block", sampling_filters=True)
+        config = dataclasses.replace(config, method="block", sampling_filters=True, logprobs="processed")
         requests = [dataclasses.replace(r, temperature=0.0 if i == 0 else 0.7 + 0.1 * i, seed=i, top_k=(0, 8)[i % 2],
                                         top_p=(1.0, 0.9, 0.7)[i % 3], min_p=0.02 * (i % 2))
                     for i, r in enumerate(requests)]
@@ -122,6 +122,8 @@ def test_compiled_equals_eager_without_recompiling(target, draft, sampling):
         out = compiled.generate(requests)
     assert [r.token_ids for r in out.requests] == [r.token_ids for r in eager.requests]
     assert out.metrics.acceptance_per_position == eager.metrics.acceptance_per_position
+    for got, want_lp in zip(out.requests, eager.requests):
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want_lp.logprobs), atol=1e-5, rtol=0)
     plain = Generator(target, None, config, device="cpu", compile=True)
     plain.warm_up()
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -129,6 +131,8 @@ def test_compiled_equals_eager_without_recompiling(target, draft, sampling):
     # Greedy: the speculative output is the target-only one; sampled, the target-only path's own eager output.
     want = eager if not sampling else Generator(target, None, config, device="cpu", compile=False).generate(requests)
     assert [r.token_ids for r in plain_out.requests] == [r.token_ids for r in want.requests]
+    for got, want_lp in zip(plain_out.requests, want.requests):
+        torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want_lp.logprobs), atol=1e-5, rtol=0)
 
 
 def test_eos_max_tokens_and_length_stop_independently(target, draft):
@@ -531,6 +535,51 @@ def test_top_k_1_and_min_p_1_sample_the_greedy_continuation(target, draft, joine
 # --- bad inputs ---------------------------------------------------------------------------------------------
 
 
+def reference_logprobs(model, request: Request, token_ids: list[int], mode: str) -> torch.Tensor:
+    """float32 [n]: the log-probabilities of a request's generated tokens from one dense cache-free forward over
+    its prompt and tokens: raw (log_softmax of the logits) or processed (the `Processed` reference)."""
+    device = model.embed_tokens.weight.device
+    ids = torch.tensor(list(request.prompt_ids) + token_ids, device=device)
+    with torch.no_grad():
+        logits = model.compute_logits(model(ids, torch.arange(len(ids), device=device))).float().cpu()
+    rows, tokens = logits[len(request.prompt_ids) - 1: -1], torch.tensor(token_ids)
+    if mode == "raw":
+        return torch.log_softmax(rows, dim=-1).gather(1, tokens[:, None])[:, 0]
+    n = len(token_ids)
+    processed = Processed(rows[:, None], torch.full((n,), float(request.temperature)), torch.full((n,), request.top_k),
+                          torch.full((n,), float(request.top_p)), torch.full((n,), float(request.min_p)))
+    return processed.logprob(0, tokens)
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "target-only"])
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+@pytest.mark.parametrize("method", ["greedy", "rejection", "block", "typical"])
+def test_logprobs_match_a_dense_reference(target, draft, method, mode, speculative):
+    # Requests join and leave 3 slots; sampled methods mix greedy and sampled requests, with filters where the
+    # method takes them, so every path that writes a logprob runs: the first token, accepted drafts, substitutes
+    # and bonus tokens (the verifier's own logprobs for rejection sampling's processed mode), target-only rounds.
+    filters = method in ("rejection", "block")
+    config = small_config(3, method=method, sampling_filters=filters, logprobs=mode)
+    requests = mixed_requests(31, 6)
+    if method != "greedy":
+        requests = [dataclasses.replace(r, temperature=0.0 if i == 1 else 0.6 + 0.2 * (i % 3), seed=i,
+                                        **(dict(top_k=(0, 12)[i % 2], top_p=(1.0, 0.85)[i % 2 == 0 and i > 0],
+                                                min_p=0.02 * (i % 3)) if filters else {}))
+                    for i, r in enumerate(requests)]
+    out = Generator(target, draft if speculative else None, config, device="cpu", compile=False).generate(requests)
+    for index, (request, result) in enumerate(zip(requests, out.requests)):
+        assert len(result.logprobs) == len(result.token_ids) == request.max_new_tokens
+        want = reference_logprobs(target, request, result.token_ids, mode)
+        torch.testing.assert_close(torch.tensor(result.logprobs), want, atol=1e-5, rtol=0,
+                                   msg=lambda m: f"request {index}: {m}")
+        if mode == "processed" and request.temperature == 0:
+            assert result.logprobs == [0.0] * len(result.token_ids)  # greedy: one-hot
+        else:
+            assert all(value < 0 for value in result.logprobs)
+    assert Generator(target, draft, small_config(3), device="cpu", compile=False).generate(
+        requests[:1] if method == "greedy" else [Request([1, 2], 3)]).requests[0].logprobs is None
+
+
 def test_bad_requests_and_configs_are_refused(target, draft):
     generator = Generator(target, draft, small_config(2), device="cpu", compile=False)
     rejection = Generator(target, draft, small_config(2, method="rejection"), device="cpu", compile=False)
@@ -580,6 +629,8 @@ def test_bad_requests_and_configs_are_refused(target, draft):
         Generator(target, draft, small_config(2, overlap=1), device="cpu")
     with pytest.raises(ValueError, match="config.sampling_filters must be a bool"):
         Generator(target, draft, small_config(2, sampling_filters="yes"), device="cpu")
+    with pytest.raises(ValueError, match="config.logprobs must be one of"):
+        Generator(target, draft, small_config(2, logprobs="yes"), device="cpu")
     with pytest.raises(ValueError, match="method 'typical' takes the temperature only"):
         Generator(target, draft, small_config(2, method="typical", sampling_filters=True), device="cpu")
     other_vocab = DraftModel(dataclasses.replace(CONFIG, vocab_size=100))
@@ -656,7 +707,8 @@ def test_cuda_filtered_sampling_one_graph_no_recompiles_no_sync(method):
     from conftest import sync_forbidden
 
     target, draft = cuda_models()
-    config = small_config(3, method=method, sampling_filters=True, max_num_reqs=4, batch_sizes=(4,))
+    config = small_config(3, method=method, sampling_filters=True, max_num_reqs=4, batch_sizes=(4,),
+                          logprobs="processed")
     requests = mixed_requests(8, 6)
     wants = [greedy_reference(target, r.prompt_ids, r.max_new_tokens) for r in requests]
     # Even requests: top_k = 1 at a positive temperature, which is the greedy continuation; odd ones: all filters.
@@ -672,8 +724,11 @@ def test_cuda_filtered_sampling_one_graph_no_recompiles_no_sync(method):
     for index, (request, result) in enumerate(zip(sampled, out.requests)):
         assert again.requests[index].token_ids == result.token_ids  # seeded: the same tokens
         assert len(result.token_ids) == request.max_new_tokens
+        want_logprobs = reference_logprobs(target, request, result.token_ids, "processed").cpu()
+        torch.testing.assert_close(torch.tensor(result.logprobs), want_logprobs, atol=1e-4, rtol=0)
         if index % 2 == 0:
             assert result.token_ids == wants[index], f"request {index}"
+            assert result.logprobs == [0.0] * len(result.token_ids)  # top_k = 1: one-hot
     prepared = [generator._prepare(i, r) for i, r in enumerate(sampled[:4])]
     torch.cuda.synchronize()
     with sync_forbidden():  # admission and the rounds: no host sync
@@ -704,10 +759,14 @@ def test_command_json_on_the_random_model(capsys):
     assert document["config"]["method"] == "greedy" and document["config"]["batch_sizes"] == [2]
     # Sampling with the filters, verified by block verification: top_k = 1 keeps only the argmax, so the output
     # is still the greedy one.
-    assert main(argv + ["--temperature", "0.8", "--top-k", "1", "--top-p", "0.9", "--method", "block"]) == 0
+    assert "logprobs" not in document["requests"][0]
+    # ... and the logprobs of the processed distribution: 0 for each token, since top_k = 1 makes it one-hot.
+    assert main(argv + ["--temperature", "0.8", "--top-k", "1", "--top-p", "0.9", "--method", "block",
+                        "--logprobs", "processed"]) == 0
     sampled = json.loads(capsys.readouterr().out)
     assert sampled["config"]["method"] == "block" and sampled["config"]["top_k"] == 1
     assert [r["token_ids"] for r in sampled["requests"]] == [r["token_ids"] for r in document["requests"]]
+    assert [r["logprobs"] for r in sampled["requests"]] == [[0.0] * 6] * 3
 
 
 @pytest.mark.parametrize("argv, message", [

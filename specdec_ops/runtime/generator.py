@@ -31,7 +31,10 @@ A speculative round (`_round`, one torch.compile(fullgraph) graph and, on CUDA, 
    verification); or ``typical_acceptance`` on softmax(logits / T). All give the create_output layout [B, k+1].
 4. bookkeeping on the device (`_commit`): emitted tokens (cut after an EOS and at the request's cap) are
    appended to the slot's row of ``tokens``, ``length`` and ``last_token`` advance, the verified batch is kept
-   as the next round's proposer query, stop flags and reasons are set, acceptance counters accumulate.
+   as the next round's proposer query, stop flags and reasons are set, acceptance counters accumulate; with
+   ``GeneratorConfig.logprobs`` each emitted token's log-probability is written beside it (the verifier's own,
+   ``rejection_sample_logits``' logprobs output, for rejection sampling's processed mode; a gather and a
+   logsumexp over the round's logits otherwise).
 
 A target-only round (`_plain_round`) is step 2 with one token per row (uniform_query_len = 1), ``sample_draft``
 on the logits (argmax for temperature 0, a seeded draw otherwise; ``sample_draft_filtered`` with
@@ -86,6 +89,7 @@ from .kv import BlockPool, BlockTable
 from .proposer import DraftProposer, ProposerConfig, resolve_device, slot_mapping
 
 METHODS = ("greedy", "rejection", "block", "typical")
+LOGPROB_MODES = (None, "raw", "processed")
 SAMPLING_METHODS = ("rejection", "block")  # verified by rejection_sample_logits against the draft's probabilities
 # stop_reason codes on the device, and their names
 RUNNING, STOP_EOS, STOP_MAX_TOKENS, STOP_LENGTH = 0, 1, 2, 3
@@ -127,6 +131,11 @@ class GeneratorConfig:
     read_every: rounds per group: the host reads the device state once per group.
     overlap: the host keeps two groups queued, launching the next one before it reads the previous one's
         snapshot (False: it waits for each group before launching the next; the outputs are the same).
+    logprobs: also return each generated token's log-probability (`RequestOutput.logprobs`, float32 values):
+        None (default, not computed), "raw" (under softmax of the target's unscaled logits, what engines return
+        by default) or "processed" (under the processed distribution it was sampled from: temperature, then the
+        filters; 0 for a greedy request, whose distribution is one-hot). Either way the value is the target's,
+        whether the token was a draft the target accepted or one the target sampled.
     """
 
     num_speculative_tokens: int = 4
@@ -138,6 +147,7 @@ class GeneratorConfig:
     read_every: int = 4
     overlap: bool = True
     sampling_filters: bool = False
+    logprobs: str | None = None
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
 
@@ -171,12 +181,14 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """A finished request: its prompt, the generated ids (EOS included when it stopped there) and why it stopped
-    ("eos", "max_tokens" or "length": max_model_len)."""
+    """A finished request: its prompt, the generated ids (EOS included when it stopped there), why it stopped
+    ("eos", "max_tokens" or "length": max_model_len) and, with GeneratorConfig.logprobs, each generated token's
+    log-probability (None otherwise)."""
 
     prompt_ids: list[int]
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[float] | None = None
 
 
 @dataclass
@@ -266,6 +278,8 @@ class Generator:
         for name in ("overlap", "sampling_filters"):
             if not isinstance(getattr(config, name), bool):
                 raise ValueError(f"Generator: config.{name} must be a bool, got {getattr(config, name)!r}")
+        if config.logprobs not in LOGPROB_MODES:
+            raise ValueError(f"Generator: config.logprobs must be one of {LOGPROB_MODES}, got {config.logprobs!r}")
         if config.sampling_filters and config.method == "typical":
             raise ValueError("Generator: method 'typical' takes the temperature only; sampling_filters needs "
                              "method 'rejection' or 'block' (or 'greedy', where temperature 0 ignores them)")
@@ -343,6 +357,8 @@ class Generator:
         # Per-slot state. tokens is flat [slots * (length + 1)]: column `length` of each row takes masked writes.
         self.tokens = zeros(slots * (length + 1), dtype=torch.int64)
         self.tokens_2d = self.tokens.view(slots, length + 1)
+        # With config.logprobs: each token's log-probability, in the same layout (prompt columns unused).
+        self.token_logprobs = zeros(slots * (length + 1), dtype=torch.float32) if self.config.logprobs else None
         self.length = torch.ones(slots, dtype=torch.int64, device=device)  # prompt + generated, >= 1
         self.cap = torch.ones(slots, dtype=torch.int64, device=device)
         self.cap_is_length = zeros(slots, dtype=torch.bool)  # the cap comes from max_model_len
@@ -445,24 +461,33 @@ class Generator:
         k = self.k
         start = self.length[:batch] - 1
         method = self.config.method
+        temperature = self.temperature[:batch]
+        logprobs = None
         if method == "greedy":
             out = greedy_verify(logits, drafts)
         elif method in SAMPLING_METHODS:
             block = method == "block"
             offsets = self.verify_offset[:batch] if block else start + 1
-            out = rejection_sample_logits(logits, drafts, self.temperature[:batch], self.top_k[:batch],
-                                          self.top_p[:batch], self.min_p[:batch], self.seeds[:batch], offsets,
-                                          draft_probs=draft_probs, block_verification=block)
+            processed = self.config.logprobs == "processed"
+            out = rejection_sample_logits(logits, drafts, temperature, self.top_k[:batch], self.top_p[:batch],
+                                          self.min_p[:batch], self.seeds[:batch], offsets, draft_probs=draft_probs,
+                                          block_verification=block, return_logprobs=processed)
+            if processed:
+                out, logprobs = out
             if block:
                 self.verify_offset[:batch] += torch.where(active, k + 1, 0)
         else:
             out = typical_acceptance(self._target_probs(logits, batch), drafts, self.config.posterior_threshold,
                                      self.config.posterior_alpha)
+        if self.config.logprobs and logprobs is None:
+            # greedy and typical: no filters, so the processed distribution is softmax(logits / T) (one-hot when
+            # greedy); with "raw", rejection sampling's rows too.
+            logprobs = self._logprobs(logits, out.clamp(min=0), temperature[:, None])
         accepted = (out != -1).sum(1) - 1  # in [0, k]: every row emits the substitute or the bonus
         positions = torch.arange(k, device=self.device)
         self.accepted_at += (active[:, None] & (accepted[:, None] > positions)).sum(0)
         self.counts[0] += torch.where(active, torch.clamp(accepted + 1, max=k), 0).sum()
-        self._commit(out, batch, active)
+        self._commit(out, batch, active, logprobs)
         self.query_tokens[:batch] = torch.where(active[:, None], inputs, self.query_tokens[:batch])
         self.query_start[:batch] = torch.where(active, start, self.query_start[:batch])
         self.num_rejected[:batch] = torch.where(active, k - accepted, self.num_rejected[:batch].long()).int()
@@ -479,18 +504,43 @@ class Generator:
                 rows, start + 1, self.block_size, uniform_query_len=1)
             hidden = self.target(self.last_token[:batch], start, metadata)
             logits = self.target.compute_logits(hidden).float()
-            token = self._sample_target(logits, self.temperature[:batch], self.top_k[:batch], self.top_p[:batch],
-                                        self.min_p[:batch], self.seeds[:batch], start + 1 + TARGET_STREAM_OFFSET)
-            self._commit(token[:, None], batch, active)
+            token, logprob = self._sample_target(logits, self.temperature[:batch], self.top_k[:batch],
+                                                 self.top_p[:batch], self.min_p[:batch], self.seeds[:batch],
+                                                 start + 1 + TARGET_STREAM_OFFSET)
+            self._commit(token[:, None], batch, active, None if logprob is None else logprob[:, None])
 
-    def _sample_target(self, logits, temperature, top_k, top_p, min_p, seeds, positions) -> torch.Tensor:
-        """The target's own draw of one token per row (first tokens, target-only rounds): int64 [n]."""
-        if self.config.sampling_filters:
-            return sample_draft_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions)
-        return sample_draft(logits, temperature, seeds, positions)
+    def _sample_target(self, logits, temperature, top_k, top_p, min_p, seeds, positions):
+        """The target's own draw of one token per row (first tokens, target-only rounds) from logits [n, V]
+        float32: (int64 [n], its float32 [n] log-probability as config.logprobs says, or None)."""
+        mode = self.config.logprobs
+        if not self.config.sampling_filters:
+            token = sample_draft(logits, temperature, seeds, positions)
+        elif mode != "processed":
+            token = sample_draft_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions)
+        else:  # the filtered distribution itself gives the processed log-probability
+            probs = torch.empty_like(logits)
+            token = sample_draft_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions, probs)
+            logprob = torch.log(probs.gather(1, token[:, None])[:, 0])
+            return token, torch.where(temperature > 0, logprob, 0.0)
+        if mode is None:
+            return token, None
+        return token, self._logprobs(logits, token, temperature)
 
-    def _commit(self, out: torch.Tensor, batch: int, active: torch.Tensor) -> None:
-        """Appends each live row's emitted tokens (out [B, q], -1 = none) and sets its stop flags, on the device."""
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        """float32 log-probabilities of tokens [..., q] (in [0, V)) under logits [..., q, V] float32, without
+        filters: "raw", softmax(logits); "processed", softmax(logits / T), 0 where T <= 0 (greedy: one-hot).
+        temperature broadcasts against tokens."""
+        if self.config.logprobs == "processed":
+            logits = logits / torch.where(temperature > 0, temperature, 1.0)[..., None]
+        logprob = logits.gather(-1, tokens[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+        if self.config.logprobs == "processed":
+            logprob = torch.where(temperature > 0, logprob, 0.0)
+        return logprob
+
+    def _commit(self, out: torch.Tensor, batch: int, active: torch.Tensor,
+                logprobs: torch.Tensor | None = None) -> None:
+        """Appends each live row's emitted tokens (out [B, q], -1 = none) and, with config.logprobs, their
+        log-probabilities (logprobs [B, q] float32), and sets its stop flags, on the device."""
         q, width = out.shape[1], self.max_model_len + 1
         columns = torch.arange(q, device=self.device)
         length, cap = self.length[:batch], self.cap[:batch]
@@ -504,6 +554,8 @@ class Generator:
         index = rows[:, None] * width + torch.where(write, (length[:, None] + columns).clamp(max=width - 1),
                                                      width - 1)
         self.tokens.index_put_((index.reshape(-1),), out.reshape(-1).long())
+        if self.token_logprobs is not None:
+            self.token_logprobs.index_put_((index.reshape(-1),), logprobs.reshape(-1))
         new_length = length + emitted
         newest = out.gather(1, (emitted - 1).clamp(min=0)[:, None])[:, 0].long()
         self.last_token[:batch] = torch.where(emitted > 0, newest, self.last_token[:batch])
@@ -747,14 +799,16 @@ class Generator:
 
         hidden = self._prefill("target", block_rows, ids_d, positions_d, rows_d, keep=True)
         logits = self.target.compute_logits(hidden[last_d]).float()
-        first = self._sample_target(logits, temperature, top_k_d, top_p_d, min_p_d, seed_d,
-                                    length_d + TARGET_STREAM_OFFSET)
+        first, first_logprob = self._sample_target(logits, temperature, top_k_d, top_p_d, min_p_d, seed_d,
+                                                   length_d + TARGET_STREAM_OFFSET)
         if self.speculative and num_draft:
             self._prefill("draft", block_rows, ids_d[draft_d], positions_d[draft_d], rows_d[draft_d], keep=False)
 
         self.tokens_2d.index_fill_(0, slot_d, 0)
         self.tokens.index_put_((slot_d[rows_d] * width + positions_d,), ids_d)
         self.tokens.index_put_((slot_d * width + length_d,), first)
+        if self.token_logprobs is not None:
+            self.token_logprobs.index_put_((slot_d * width + length_d,), first_logprob)
         stop = torch.where(first == eos_d, STOP_EOS, stop_d)
         self.length.index_copy_(0, slot_d, length_d + 1)
         self.cap.index_copy_(0, slot_d, cap_d)
@@ -1007,7 +1061,7 @@ class _HostLoop:
         """Waits for the oldest group's snapshot, then retires the requests it shows stopped (a stopped row
         emits nothing in later rounds, so its tokens are final however far the device has run ahead)."""
         group, rounds, handle = self.in_flight.popleft()
-        length, stop_reason, tokens = self.snapshot.wait(handle)
+        length, stop_reason, tokens, *logprobs = self.snapshot.wait(handle)
         lengths, stops = length.tolist(), stop_reason.tolist()
         for slot in list(self.live):
             if group <= self.admitted_after[slot]:
@@ -1016,16 +1070,17 @@ class _HostLoop:
             self.known_length[slot], self.known_at[slot] = lengths[slot], rounds
             if stops[slot] != RUNNING:
                 del self.live[slot]
-                self.finish(slot, index, tokens[slot, len(self.prepared[index].prompt): lengths[slot]].tolist(),
-                            stops[slot])
+                generated = slice(len(self.prepared[index].prompt), lengths[slot])
+                self.finish(slot, index, tokens[slot, generated].tolist(), stops[slot],
+                            logprobs[0][slot, generated].tolist() if logprobs else None)
         if self.progress is not None:
             total = self.finished_tokens + sum(self.known_length[s] - len(self.prepared[i].prompt)
                                                for s, i in self.live.items())
             self.progress(total - self.reported, self.finished)
             self.reported = total
 
-    def finish(self, slot: int, index: int, tokens: list[int], reason: int) -> None:
-        self.outputs[index] = RequestOutput(self.prepared[index].prompt, tokens, STOP_NAMES[reason])
+    def finish(self, slot: int, index: int, tokens: list[int], reason: int, logprobs: list[float] | None) -> None:
+        self.outputs[index] = RequestOutput(self.prepared[index].prompt, tokens, STOP_NAMES[reason], logprobs)
         self.g._retire(slot)
         self.free.append(slot)
         self.finished += 1
@@ -1060,8 +1115,8 @@ class _HostLoop:
 
 
 class _Snapshot:
-    """Host copies of the generator's length, stop_reason and tokens, in two sets used in turn (a group's
-    snapshot is read while the next group's is taken).
+    """Host copies of the generator's length, stop_reason, tokens and (with logprobs) token_logprobs, in two sets
+    used in turn (a group's snapshot is read while the next group's is taken).
 
     On CUDA the sets are pinned, each copy is queued without a sync and followed by an event that `wait`
     synchronizes with; elsewhere a copy is plain.
@@ -1069,6 +1124,8 @@ class _Snapshot:
 
     def __init__(self, generator: Generator, pinned: bool):
         self.sources = (generator.length, generator.stop_reason, generator.tokens_2d)
+        if generator.token_logprobs is not None:
+            self.sources += (generator.token_logprobs.view(generator.tokens_2d.shape),)
         self.pinned = pinned
         self.sets = [[torch.empty(s.shape, dtype=s.dtype, pin_memory=pinned) for s in self.sources]
                      for _ in range(2)]
