@@ -188,11 +188,11 @@ def test_dependent_launch_only_on_cuda():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("rows,query_len", [(1, 1), (2, 5)])
+@pytest.mark.parametrize("rows,query_len", [(1, 1), (2, 5), (2, 24)])
 def test_cuda_dependent_launch_changes_no_bit(rows, query_len, monkeypatch):
     """The same compiled bf16 step captured twice, with programmatic dependent launch (the default on Hopper) and
     with SPECDEC_PDL=0: identical logits and caches over several replays (where a missing wait may show as a
-    race)."""
+    race). 2 x 24 tokens: the prefill path (elementwise.py's kernels between cuBLAS GEMMs)."""
     from specdec_ops.models import dependent_launch
     config = LlamaConfig(vocab_size=2048, hidden_size=1024, num_layers=3, num_heads=16, num_kv_heads=4,
                          intermediate_size=4096, tie_word_embeddings=True, dtype=torch.bfloat16)

@@ -11,14 +11,26 @@ random and seeded (`LlamaModel(config, seed=...)`) or loaded (`loading.load_mode
 For 1 to 16 tokens of a float16/bfloat16 CUDA model (decode and verify steps) a decoder layer runs fused: four
 projection kernels (RMSNorm in the prologue of q/k/v and of gate/up, silu(gate) * up and the residual adds in
 the epilogues, `linear.fused_linear`) and one kernel for the rotary embedding of q and k and the cache write
-of k and v (`attention.rope_write_kv`), in place of about a dozen kernels. Everything else runs the plain code
-below, which is also the statement of what the fused path computes.
+of k and v (`attention.rope_write_kv`), in place of about a dozen kernels.
+
+For more than 16 tokens of such a model (prompt prefills; `elementwise.takes_kernels` decides) the four
+projections stay cuBLAS GEMMs and the work between them runs in Triton kernels (`elementwise.py`): RMSNorm with
+the residual add before it (`add_rms_norm`: the add after attention folds into the post-attention norm, the add
+after the MLP into the next layer's input norm or the model's final norm), silu(gate) * up, and with a paged
+cache the same rotary + cache-write kernel. A layer is then the 4 GEMMs, 2 norm kernels, the rotary + cache
+write, silu(gate) * up and attention (1 kernel, or 2 when the context is split): 9 or 10 kernels, where the
+plain code launches 47 or 48 (eight per norm, ten per rotary of q and of k, two for the cache write, one per
+residual add, two for silu and the product; the final norm: one kernel in place of eight).
+
+Everything else (CPU, float32 and float64 models; the rotary of the cache-free dense path) runs the plain code
+below, which is also the statement of what both fused paths compute.
 
 It follows the model interface of specdec_ops/models/interface.py: ``vocab_size``, ``kv_cache_spec()``,
 ``forward(input_ids, positions, attn_metadata)`` and ``compute_logits(hidden)``.
 
 Attention over the paged cache: each layer first writes every token's K and V at its slot (``index_put_``
-into the cache tensor), then attends through `attention.py`, chosen by ``attention_backend``:
+into the cache tensor; in the fused paths, the rotary + cache-write kernel), then attends through
+`attention.py`, chosen by ``attention_backend``:
 
 - ``"reference"``: gathers each token's request context through its block-table row up to a static length
   (blocks_per_row * block_size) and masks positions ``c > position`` or ``c >= seq_len`` (the most negative
@@ -43,6 +55,7 @@ import torch
 from torch import nn
 
 from . import attention as _attention
+from . import elementwise as _elementwise
 from .attention import apply_rotary
 from . import linear as _linear
 from .linear import linear
@@ -143,6 +156,14 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return x32.to(x.dtype) * self.weight
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(x + residual), x + residual) in one kernel (`elementwise.add_rms_norm`; the sum rounded to x's
+        dtype first, as ``x = x + ...`` stores it); residual None: (self(x), x) (`elementwise.rms_norm`).
+        x, residual [T, size] in the weight's dtype."""
+        if residual is None:
+            return _elementwise.rms_norm(x, self.weight, self.eps), x
+        return _elementwise.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, layer_index: int, **factory):
@@ -156,6 +177,10 @@ class Attention(nn.Module):
                                   **factory)
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=False, **factory)
         self.scale = d ** -0.5
+
+    def takes_rope_kernel(self, qkv: torch.Tensor, metadata: AttentionMetadata | None) -> bool:
+        """Whether `attend` can run fused (`attention.rope_write_kv`): a paged cache of qkv's dtype."""
+        return metadata is not None and metadata.kv_caches[self.layer_index].dtype == qkv.dtype
 
     def forward(self, x, cos, sin, positions, metadata: AttentionMetadata | None, backend: str):
         qkv = linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
@@ -230,12 +255,28 @@ class DecoderLayer(nn.Module):
         attn = self.attn
         qkv = _linear.fused_linear(x, attn.qkv_proj.weight, norm_weight=self.input_norm.weight,
                                    eps=self.input_norm.eps, bias=attn.qkv_proj.bias)
-        fused_rope = metadata is not None and metadata.kv_caches[attn.layer_index].dtype == qkv.dtype
-        out = attn.attend(qkv, cos, sin, positions, metadata, backend, fused=fused_rope)
+        out = attn.attend(qkv, cos, sin, positions, metadata, backend, fused=attn.takes_rope_kernel(qkv, metadata))
         x = _linear.fused_linear(out, attn.o_proj.weight, residual=x)
         act = _linear.fused_linear(x, self.gate_up_proj.weight, norm_weight=self.post_attn_norm.weight,
                                    eps=self.post_attn_norm.eps, gated=True)
         return _linear.fused_linear(act, self.down_proj.weight, residual=x)
+
+    def forward_deferred_residual(self, x, residual, cos, sin, positions, metadata, backend):
+        """The plain forward's math with its elementwise work in Triton kernels (`elementwise.takes_kernels`: many
+        tokens of a half-precision CUDA model) and each residual add folded into the norm after it.
+
+        The layer's input is x + residual: x [T, hidden] the previous layer's MLP output, residual [T, hidden]
+        the residual stream it adds to (None for the first layer, whose x is the embedding). Returns
+        (mlp_out, residual), whose sum (rounded to the model dtype) is what `forward` returns; the next layer's
+        input norm, or the model's final norm, adds them.
+        """
+        attn = self.attn
+        h, residual = self.input_norm.add_and_norm(x, residual)
+        qkv = linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        out = attn.attend(qkv, cos, sin, positions, metadata, backend, fused=attn.takes_rope_kernel(qkv, metadata))
+        h, residual = self.post_attn_norm.add_and_norm(linear(out, attn.o_proj.weight), residual)
+        act = _elementwise.silu_mul(linear(h, self.gate_up_proj.weight))
+        return linear(act, self.down_proj.weight), residual
 
 
 class LlamaModel(nn.Module):
@@ -316,6 +357,12 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids.long().clamp(0, self.vocab_size - 1))
         angles = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
         cos, sin = angles.cos(), angles.sin()
+        if _elementwise.takes_kernels(x):
+            residual = None
+            for layer in self.layers:
+                x, residual = layer.forward_deferred_residual(x, residual, cos, sin, positions, attn_metadata,
+                                                              backend)
+            return self.norm.add_and_norm(x, residual)[0]
         for layer in self.layers:
             x = layer(x, cos, sin, positions, attn_metadata, backend)
         return self.norm(x)
