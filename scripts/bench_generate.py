@@ -29,20 +29,21 @@ frees up, the steady state of a server; the target-only run gets the same queue.
 
 Per batch size, each path is warmed up (rounds compiled and captured, prefill graphs captured, then one short
 untimed generate of the same prompts, which JIT-compiles the admission's eager kernels at these shapes) and then
-timed over one generate call of all the batch's requests, admissions included. Reported: tokens/s of each path; alpha (accepted / tested drafts); c = draft step time / target step time,
-where the draft step is the propose part of a round divided by k and the target step is one target-only round
-(each timed as its own captured graph, CUDA events); the measured speedup (speculative / target-only tokens/s);
-Leviathan et al.'s prediction (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)); efficiency = measured / predicted;
-the host share: the part of the speculative run's wall time in which no round group ran on the device, split
-into the admissions (their CUDA-event spans: prefills, first tokens, state writes) and the rest (the device
-waiting for the host between groups). With --full-split the target and verification parts of a round are timed
-too (two more compiles per batch size), against the target-only round: Leviathan's formula takes the verify
+timed over one generate call of all the batch's requests, admissions included (with several --read-every values, one
+call per value, on the same graphs). Reported: tokens/s of each path; alpha (accepted / tested drafts); c = draft
+step time / target step time, where the draft step is the propose part of a round divided by k and the target step
+is one target-only round (each timed as its own captured graph, CUDA events); the measured speedup (speculative /
+target-only tokens/s); Leviathan et al.'s prediction (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)); efficiency =
+measured / predicted; the host share: the part of the speculative run's wall time in which no round group ran on the
+device, split into the admissions (their CUDA-event spans: prefills, first tokens, state writes) and the rest (the
+device waiting for the host between groups). With --full-split the target and verification parts of a round are
+timed too (two more compiles per batch size), against the target-only round: Leviathan's formula takes the verify
 forward to cost one target step. Requests are greedy by default (verified by greedy_verify); with --temperature T
 they sample at T (request i's seed is i; target-only samples too) and speculation verifies by rejection sampling,
 whose acceptance is a coin per draft (sum of min(p, q)) rather than greedy's all-or-nothing match of a repeating
 continuation; --method block verifies by block verification instead, and --top-k / --top-p / --min-p add the
-sampling filters to every request (the generator is then built with sampling_filters, for both paths). The JSON
-(and the table on stderr) is rewritten after every batch size.
+sampling filters to every request (the generator is then built with sampling_filters, for both paths). The JSON (and
+the table on stderr) is rewritten after every batch size.
 """
 from __future__ import annotations
 
@@ -88,9 +89,10 @@ def parse_args(argv=None):
     p.add_argument("--requests-per-slot", type=int, default=1,
                    help="requests per batch slot (default 1: one wave of `batch` requests; more: a queue that "
                         "continuous batching admits into the slots that finish, the steady state of a server)")
-    p.add_argument("--read-every", default="8",
+    p.add_argument("--read-every", default="2",
                    help="rounds between host reads (GeneratorConfig.read_every); a comma-separated list times each "
-                        "value with the same compiled graphs and calibration, one row each (default 8)")
+                        "value with the same compiled graphs and calibration, one row each (default 2, the "
+                        "generator's)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     p.add_argument("--full-split", nargs="?", const="all", default=None,
                    help="also time the target and verification parts (at these comma-separated batch sizes, or all)")
@@ -291,8 +293,8 @@ def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool
             generator.config = dataclasses.replace(config, read_every=read_every)
             out = generator.generate(requests)
             results["timed"].setdefault(read_every, {})[name] = out
-            print(f"  [{time.strftime('%H:%M:%S')}] batch {batch} {name}, read_every {read_every}: warm-up "
-                  f"{warm:.1f} s, {out.metrics.tokens_per_s:.1f} tokens/s", file=sys.stderr, flush=True)
+            print(f"  [{time.strftime('%H:%M:%S')}] batch {batch} {name}, read_every {read_every}: "
+                  f"{out.metrics.tokens_per_s:.1f} tokens/s (warm-up {warm:.1f} s)", file=sys.stderr, flush=True)
         del generator
     return results
 
@@ -420,12 +422,13 @@ def markdown(doc) -> str:
 
     lines = [f"## bench_generate: {doc['device']}, torch {doc['torch']}, {doc['dtype']}, k = {doc['k']}, "
              f"prompt {doc['prompt_len']}, {doc['new_tokens']} new tokens, draft = target's first "
-             f"{doc['draft_layers']} layers, {doc.get('method', 'greedy')} (the target's later layers damped by s, calibrated per batch on the "
-             f"timed requests to an acceptance >= {doc['calibration_alpha']})", "",
-             "| batch (requests, read_every) | target-only tok/s | speculative tok/s | alpha (in 0.5-0.9) | mean emitted | c | speedup | "
-             "predicted | efficiency | host share (admissions + waiting) | target-only host share | "
-             "greedy identical | HF target-only tok/s (dynamic / static) | HF assisted tok/s | "
-             "spec vs HF fastest target-only / assisted |",
+             f"{doc['draft_layers']} layers, {doc.get('method', 'greedy')} (the target's later layers damped by s, "
+             f"calibrated per batch on the timed requests to an acceptance >= {doc['calibration_alpha']}; "
+             "transformers' columns: batch 1, on the batch's last row)", "",
+             "| batch (requests, read_every) | target-only tok/s | speculative tok/s | alpha (in 0.5-0.9) | "
+             "mean emitted | c | speedup | predicted | efficiency | host share (admissions + waiting) | "
+             "target-only host share | greedy identical | HF target-only tok/s (dynamic / static) | "
+             "HF assisted tok/s | spec vs HF fastest target-only / assisted |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         fastest = max([v for v in (r.get("hf_dynamic_tokens_per_s"), r.get("hf_static_tokens_per_s")) if v],

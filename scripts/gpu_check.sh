@@ -39,7 +39,7 @@ fi
 if [[ $stage == bench || $stage == all ]]; then
   # Every benchmark this tree has (bench_model.py and bench_generate.py come with the models and generator work).
   for bench in scripts/bench_ops.py scripts/bench_vocab.py scripts/bench_propose.py scripts/bench_model.py \
-      scripts/bench_generate.py; do
+      scripts/bench_prefill.py scripts/bench_generate.py; do
     [[ -f $bench ]] || continue
     name=$(basename "$bench" .py)
     limit=300

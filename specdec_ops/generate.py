@@ -121,10 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the rounds (default: on CUDA only)")
     p.add_argument("--max-model-len", type=_positive_int, default=None)
-    p.add_argument("--read-every", type=_positive_int, default=4, help="rounds between host reads")
+    p.add_argument("--read-every", type=_positive_int, default=2, help="rounds between host reads (default 2)")
     p.add_argument("--logprobs", choices=("raw", "processed"), default=None,
-                   help="also report each generated token's log-probability: raw = under the target's unscaled "
-                   "softmax; processed = under the distribution it was sampled from (0 when greedy)")
+                   help="also report each generated token's log-probability under the target's softmax (raw) or "
+                   "under its processed distribution: temperature, then the filters (processed; 0 when greedy)")
     p.add_argument("--no-plain", action="store_true", help="skip the target-only comparison")
     p.add_argument("--split", action="store_true", help="also time the draft / target / verification parts")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text and a table")

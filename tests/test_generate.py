@@ -551,33 +551,72 @@ def reference_logprobs(model, request: Request, token_ids: list[int], mode: str)
     return processed.logprob(0, tokens)
 
 
-@pytest.mark.parametrize("speculative", [True, False], ids=["speculative", "target-only"])
-@pytest.mark.parametrize("mode", ["raw", "processed"])
-@pytest.mark.parametrize("method", ["greedy", "rejection", "block", "typical"])
-def test_logprobs_match_a_dense_reference(target, draft, method, mode, speculative):
-    # Requests join and leave 3 slots; sampled methods mix greedy and sampled requests, with filters where the
-    # method takes them, so every path that writes a logprob runs: the first token, accepted drafts, substitutes
-    # and bonus tokens (the verifier's own logprobs for rejection sampling's processed mode), target-only rounds.
+def logprob_requests(method: str, seed: int = 31) -> list[Request]:
+    """6 mixed requests; for the sampled methods one greedy and five sampled ones, with filters where the method
+    takes them."""
+    requests = mixed_requests(seed, 6)
+    if method == "greedy":
+        return requests
     filters = method in ("rejection", "block")
-    config = small_config(3, method=method, sampling_filters=filters, logprobs=mode)
-    requests = mixed_requests(31, 6)
-    if method != "greedy":
-        requests = [dataclasses.replace(r, temperature=0.0 if i == 1 else 0.6 + 0.2 * (i % 3), seed=i,
-                                        **(dict(top_k=(0, 12)[i % 2], top_p=(1.0, 0.85)[i % 2 == 0 and i > 0],
-                                                min_p=0.02 * (i % 3)) if filters else {}))
-                    for i, r in enumerate(requests)]
-    out = Generator(target, draft if speculative else None, config, device="cpu", compile=False).generate(requests)
-    for index, (request, result) in enumerate(zip(requests, out.requests)):
-        assert len(result.logprobs) == len(result.token_ids) == request.max_new_tokens
-        want = reference_logprobs(target, request, result.token_ids, mode)
+    return [dataclasses.replace(r, temperature=0.0 if i == 1 else 0.6 + 0.2 * (i % 3), seed=i,
+                                **(dict(top_k=(0, 12)[i % 2], top_p=(1.0, 0.85)[i % 2 == 0 and i > 0],
+                                        min_p=0.02 * (i % 3)) if filters else {}))
+            for i, r in enumerate(requests)]
+
+
+def assert_logprobs_match(model, requests, outputs, mode):
+    for index, (request, result) in enumerate(zip(requests, outputs)):
+        assert len(result.logprobs) == len(result.token_ids)
+        want = reference_logprobs(model, request, result.token_ids, mode)
         torch.testing.assert_close(torch.tensor(result.logprobs), want, atol=1e-5, rtol=0,
                                    msg=lambda m: f"request {index}: {m}")
         if mode == "processed" and request.temperature == 0:
             assert result.logprobs == [0.0] * len(result.token_ids)  # greedy: one-hot
-        else:
+        elif mode == "raw":
             assert all(value < 0 for value in result.logprobs)
-    assert Generator(target, draft, small_config(3), device="cpu", compile=False).generate(
-        requests[:1] if method == "greedy" else [Request([1, 2], 3)]).requests[0].logprobs is None
+        else:  # a filter can leave one token: log 1 = 0
+            assert all(value <= 0 for value in result.logprobs)
+
+
+# Target-only generation has no verifier: its "rejection" run covers "block" too.
+@pytest.mark.parametrize("method, speculative", [(m, True) for m in ("greedy", "rejection", "block", "typical")]
+                         + [(m, False) for m in ("greedy", "rejection", "typical")])
+@pytest.mark.parametrize("mode", ["raw", "processed"])
+def test_logprobs_match_a_dense_reference(target, draft, method, mode, speculative):
+    # Requests join and leave 3 slots; sampled methods mix greedy and sampled requests, with filters where the
+    # method takes them, so every path that writes a logprob runs: the first token, accepted drafts, substitutes
+    # and bonus tokens (the verifier's own logprobs for rejection sampling's processed mode), target-only rounds.
+    config = small_config(3, method=method, sampling_filters=method in ("rejection", "block"), logprobs=mode)
+    requests = logprob_requests(method)
+    out = Generator(target, draft if speculative else None, config, device="cpu", compile=False).generate(requests)
+    assert [len(r.token_ids) for r in out.requests] == [r.max_new_tokens for r in requests]
+    assert_logprobs_match(target, requests, out.requests, mode)
+
+
+@pytest.mark.parametrize("method", ["greedy", "rejection"])
+def test_logprobs_at_eos_and_length_stops(target, draft, method):
+    # A request stopping at an EOS mid-round (its EOS's logprob included), one whose first token is its EOS, and
+    # caps from max_model_len: the logprobs end where the tokens do.
+    config = small_config(3, method=method, sampling_filters=method == "rejection", logprobs="processed",
+                          max_model_len=24)
+    for model_draft in (draft, None):
+        generator = Generator(target, model_draft, config, device="cpu", compile=False)
+        requests = [dataclasses.replace(r, prompt_ids=r.prompt_ids[:12], max_new_tokens=12)
+                    for r in logprob_requests(method, seed=41)]
+        # Seeded: the same tokens up to where an EOS stops them (sampled speculative output is not target-only's).
+        free = generator.generate(requests).requests
+        requests[0].eos_token_id = free[0].token_ids[2]
+        requests[3].eos_token_id = free[3].token_ids[0]
+        out = generator.generate(requests).requests
+        assert out[0].finish_reason == "eos" and out[0].token_ids[-1] == requests[0].eos_token_id
+        assert out[3].finish_reason == "eos" and len(out[3].token_ids) == 1
+        assert "length" in [r.finish_reason for r in out]
+        assert_logprobs_match(target, requests, out, "processed")
+
+
+def test_no_logprobs_unless_asked(target, draft):
+    out = Generator(target, draft, small_config(3), device="cpu", compile=False).generate([Request([1, 2], 3)])
+    assert out.requests[0].logprobs is None
 
 
 def test_bad_requests_and_configs_are_refused(target, draft):
@@ -676,6 +715,26 @@ def test_cuda_one_graph_per_size_no_recompiles_and_greedy_identity():
         assert all(tokens == want for tokens in got.values()), f"request {index}: {got} != {want}"
     assert outputs["speculative"].metrics.acceptance_rate > 0.3
     assert 0.0 <= outputs["speculative"].metrics.admission_share <= outputs["speculative"].metrics.host_share
+
+
+@pytest.mark.cuda
+def test_cuda_many_refills_keep_outputs_exact():
+    # Many requests with long prompts and few new tokens through 3 slots: most admissions queue behind rounds the
+    # host has not read yet and reuse the blocks of requests that just stopped. The dense cache-free reference
+    # fixes every token.
+    target, draft = cuda_models()
+    gen = torch.Generator().manual_seed(3)
+    requests = [Request(torch.randint(0, CONFIG.vocab_size, (int(torch.randint(30, 50, (), generator=gen)),),
+                                      generator=gen).tolist(), int(torch.randint(1, 7, (), generator=gen)))
+                for _ in range(18)]
+    wants = [greedy_reference(target, r.prompt_ids, r.max_new_tokens) for r in requests]
+    config = small_config(3, max_num_reqs=3, batch_sizes=(3,), read_every=1)
+    for model_draft in (draft, None):
+        generator = Generator(target, model_draft, config, device="cuda")
+        generator.warm_up()
+        for _ in range(2):
+            out = generator.generate(requests)
+            assert [r.token_ids for r in out.requests] == wants
 
 
 @pytest.mark.cuda

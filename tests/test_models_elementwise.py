@@ -11,8 +11,8 @@ dispatch forced on: through the ops' CPU paths (the references) bit-identical to
 float16, paged and dense, and traceable fullgraph; through the Triton kernels within 1e-5 in float32 (logits and
 cache).
 CUDA: the kernels against the references in bfloat16 and float16 (two ulps, 99 % bit-identical) and float32, and
-a bf16 ragged prefill through the new path, eager, captured in a CUDA graph and compiled, against the plain bf16
-path and a float32 copy.
+a bf16 ragged prefill through the new path, eager and captured in a CUDA graph (compiled, the model keeps the
+plain code), against the plain bf16 path and a float32 copy.
 """
 import dataclasses
 import types
@@ -165,16 +165,19 @@ def test_bad_inputs_raise():
         silu_mul_triton(torch.zeros(3, 8, dtype=torch.float64))
 
 
-def test_takes_kernels_only_for_many_half_precision_cuda_rows():
-    def stand_in(rows, dtype, device="cuda"):  # what takes_kernels reads of a tensor (no CUDA here)
+def test_prefill_kernels_only_for_many_half_precision_cuda_rows_eagerly(monkeypatch):
+    def stand_in(rows, dtype, device="cuda"):  # what runs_prefill_kernels reads of a tensor (no CUDA here)
         return types.SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(rows, 64), dim=lambda: 2)
 
-    assert elementwise.takes_kernels(stand_in(17, torch.bfloat16))
-    assert elementwise.takes_kernels(stand_in(2048, torch.float16))
-    assert not elementwise.takes_kernels(stand_in(16, torch.bfloat16))  # linear.py's fused projections
-    assert not elementwise.takes_kernels(stand_in(17, torch.float32))
-    assert not elementwise.takes_kernels(stand_in(17, torch.bfloat16, "cpu"))
-    assert not elementwise.takes_kernels(torch.zeros(40, 8, dtype=torch.float16))
+    assert elementwise.runs_prefill_kernels(stand_in(17, torch.bfloat16))
+    assert elementwise.runs_prefill_kernels(stand_in(2048, torch.float16))
+    assert not elementwise.runs_prefill_kernels(stand_in(16, torch.bfloat16))  # linear.py's fused projections
+    assert not elementwise.runs_prefill_kernels(stand_in(17, torch.float32))
+    assert not elementwise.runs_prefill_kernels(stand_in(17, torch.bfloat16, "cpu"))
+    assert not elementwise.runs_prefill_kernels(torch.zeros(40, 8, dtype=torch.float16))
+    # Under torch.compile the plain code stays, for inductor to fuse (the rounds' steps of more than 16 tokens).
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not elementwise.runs_prefill_kernels(stand_in(17, torch.bfloat16))
 
 
 # --- the model ------------------------------------------------------------------------------------------------
@@ -188,7 +191,7 @@ def force_prefill_path(monkeypatch, triton_kernels: bool) -> list:
     original = llama_mod.DecoderLayer.forward_deferred_residual
     monkeypatch.setattr(llama_mod.DecoderLayer, "forward_deferred_residual",
                         lambda self, *a: calls.append(1) or original(self, *a))
-    monkeypatch.setattr(elementwise, "takes_kernels", lambda x: x.dim() == 2 and x.shape[0] > 16)
+    monkeypatch.setattr(elementwise, "runs_prefill_kernels", lambda x: x.dim() == 2 and x.shape[0] > 16)
     if triton_kernels:
         monkeypatch.setattr(elementwise, "rms_norm", rms_norm_triton)
         monkeypatch.setattr(elementwise, "add_rms_norm", add_rms_norm_triton)
@@ -269,8 +272,8 @@ def test_prefill_path_through_triton_kernels_matches_plain_float32(monkeypatch):
 def test_cuda_kernels_match_references(dtype):
     """The kernels on CUDA against PyTorch's: float32 to 1e-6 relative; half dtypes within two ulps with at most
     1 % of the entries differing at all (the norm sums its squares in another order; silu computes PyTorch's
-    float32 x / (1 + expf(-x)) with the same expf and a correctly rounded division, so it should differ nowhere);
-    the residual sum exactly."""
+    float32 x / (1 + expf(-x)) with the same expf and a correctly rounded division, meant to differ nowhere, but
+    FTZ and FMA contraction are the compilers', so it is held to the same bound); the residual sum exactly."""
     rtol = {torch.float32: FLOAT32_RTOL, torch.float16: HALF_RTOL, torch.bfloat16: 2.0 ** -6}[dtype]  # two ulps
 
     def assert_close_on_cuda(got, want):
@@ -316,9 +319,10 @@ def ragged_prefill(model, prompt_lens, num_pad, block_size=16, seed=0):
 @pytest.mark.cuda
 def test_cuda_prefill_path_matches_plain_and_captures(monkeypatch):
     """bf16, 1B-like widths (2 layers, q/k/v bias), a ragged prefill of 3 prompts and padding (130 tokens): the
-    new path eager, replayed as a CUDA graph of the eager forward (as the generator's prefill runs) and compiled
-    fullgraph, against the plain bf16 path: its error against a float32 copy is at most twice the plain path's
-    plus 1e-3 of the largest logit, and the cache rows it writes agree to bf16 rounding."""
+    new path eager and replayed as a CUDA graph of the eager forward (as the generator's prefill runs), and the
+    compiled forward (which keeps the plain code), against the plain bf16 path: its error against a float32 copy
+    is at most twice the plain path's plus 1e-3 of the largest logit, and the cache rows it writes agree to bf16
+    rounding."""
     config = LlamaConfig(vocab_size=2048, hidden_size=2048, num_layers=2, num_heads=32, num_kv_heads=8,
                          intermediate_size=8192, rope_theta=5e5, tie_word_embeddings=True, attention_bias=True,
                          dtype=torch.bfloat16)
@@ -349,6 +353,7 @@ def test_cuda_prefill_path_matches_plain_and_captures(monkeypatch):
     torch.cuda.synchronize()
 
     compiled_caches = tuple(c.clone() for c in caches_before)
+    calls_before_compile = len(calls)
     torch._dynamo.reset()
     compiled = torch.compile(lambda: forward(model, compiled_caches), fullgraph=True, dynamic=False)
     compiled_graph, compiled_out = capture_graph(compiled)
@@ -357,6 +362,7 @@ def test_cuda_prefill_path_matches_plain_and_captures(monkeypatch):
     with sync_forbidden():
         compiled_graph.replay()
     torch.cuda.synchronize()
+    assert len(calls) == calls_before_compile  # compiled, the model keeps the plain code for inductor to fuse
 
     exact_model = LlamaModel(dataclasses.replace(config, dtype=torch.float32), device="cuda", init_weights=False)
     with torch.no_grad():
@@ -364,7 +370,7 @@ def test_cuda_prefill_path_matches_plain_and_captures(monkeypatch):
             a.copy_(b)
     calls_before = len(calls)
     with monkeypatch.context() as patch:
-        patch.setattr(elementwise, "takes_kernels", lambda x: False)
+        patch.setattr(elementwise, "runs_prefill_kernels", lambda x: False)
         plain_caches = tuple(c.clone() for c in caches_before)
         plain = forward(model, plain_caches)
         exact = forward(exact_model, tuple(c.float() for c in caches_before))
@@ -372,11 +378,12 @@ def test_cuda_prefill_path_matches_plain_and_captures(monkeypatch):
     plain, exact = plain[:live].float(), exact[:live].float()
     err_plain = (plain - exact).abs().max().item()
     # The replays are held to the eager run's bound (not bit-identity: cuBLAS on the capture's side stream, and
-    # inductor's own bias add and angles when compiled).
+    # the plain code as inductor fuses it when compiled).
     for got in (eager, out, compiled_out):
         err_new = (got[:live].float() - exact).abs().max().item()
         assert err_new <= 2 * err_plain + 1e-3 * exact.abs().max().item(), (err_new, err_plain)
         assert (got[:live].float().argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+    # Every block but the null one (block 0): the padding tokens all write its slot 0, in an order no path fixes.
     for caches in (eager_caches, graph_caches, compiled_caches):
         for a, b in zip(caches, plain_caches):
-            torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+            torch.testing.assert_close(a[16:].float(), b[16:].float(), atol=3e-2, rtol=3e-2)

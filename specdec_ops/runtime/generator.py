@@ -41,7 +41,8 @@ on the logits (argmax for temperature 0, a seeded draw otherwise; ``sample_draft
 ``sampling_filters``), and step 4.
 
 The host (`generate`, `_HostLoop`) runs groups: a group is up to ``read_every`` round replays, then a copy of
-``length``, ``stop_reason`` and ``tokens`` into one of two pinned host buffer sets, with an event. It keeps two
+``length``, ``stop_reason`` and ``tokens`` (and ``token_logprobs`` with logprobs) into one of two pinned host
+buffer sets, with an event. It keeps two
 groups queued: it launches the next group before it waits for the oldest group's event, then reads that snapshot,
 retires the requests it shows stopped (their slots and blocks are freed), admits waiting ones into free slots
 and reports progress, while the device runs the next group. A request that stopped on the device while the host
@@ -128,14 +129,18 @@ class GeneratorConfig:
     max_model_len: the longest sequence (prompt + generated) the caches hold.
     block_size: cache slots per KV block (both caches).
     batch_sizes: padded batch sizes, one graph each (default: powers of two up to max_num_reqs, and it).
-    read_every: rounds per group: the host reads the device state once per group.
+    read_every: rounds per group: the host reads the device state once per group. The default, 2, measured best
+        with continuous batching on the H200 (a finished request's slot waits one to two groups for the host to
+        see it and admit the next; benchmarks/RESULTS.md), and within 0.5 % of 8 at batch 1.
     overlap: the host keeps two groups queued, launching the next one before it reads the previous one's
         snapshot (False: it waits for each group before launching the next; the outputs are the same).
     logprobs: also return each generated token's log-probability (`RequestOutput.logprobs`, float32 values):
         None (default, not computed), "raw" (under softmax of the target's unscaled logits, what engines return
-        by default) or "processed" (under the processed distribution it was sampled from: temperature, then the
-        filters; 0 for a greedy request, whose distribution is one-hot). Either way the value is the target's,
-        whether the token was a draft the target accepted or one the target sampled.
+        by default) or "processed" (under the target's processed distribution at the token's position:
+        temperature, then the filters; the distribution that rejection sampling's output follows, though a
+        substitute token is drawn from a residual of it; 0 for a greedy request, whose distribution is one-hot;
+        with typical acceptance, softmax(logits / T)). Either way the value is the target's, whether the token
+        was a draft the target accepted or one the target chose.
     """
 
     num_speculative_tokens: int = 4
@@ -144,7 +149,7 @@ class GeneratorConfig:
     max_model_len: int = 512
     block_size: int = 16
     batch_sizes: Sequence[int] | None = None
-    read_every: int = 4
+    read_every: int = 2
     overlap: bool = True
     sampling_filters: bool = False
     logprobs: str | None = None
@@ -537,10 +542,9 @@ class Generator:
             logprob = torch.where(temperature > 0, logprob, 0.0)
         return logprob
 
-    def _commit(self, out: torch.Tensor, batch: int, active: torch.Tensor,
-                logprobs: torch.Tensor | None = None) -> None:
+    def _commit(self, out: torch.Tensor, batch: int, active: torch.Tensor, logprobs: torch.Tensor | None) -> None:
         """Appends each live row's emitted tokens (out [B, q], -1 = none) and, with config.logprobs, their
-        log-probabilities (logprobs [B, q] float32), and sets its stop flags, on the device."""
+        log-probabilities (logprobs [B, q] float32; None without), and sets its stop flags, on the device."""
         q, width = out.shape[1], self.max_model_len + 1
         columns = torch.arange(q, device=self.device)
         length, cap = self.length[:batch], self.cap[:batch]
