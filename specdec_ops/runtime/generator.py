@@ -41,14 +41,13 @@ on the logits (argmax for temperature 0, a seeded draw otherwise; ``sample_draft
 ``sampling_filters``), and step 4.
 
 The host (`generate`, `_HostLoop`) runs groups: a group is up to ``read_every`` round replays, then a copy of
-``length``, ``stop_reason`` and ``tokens`` (and ``token_logprobs`` with logprobs) into one of two pinned host
-buffer sets, with an event. It keeps two
-groups queued: it launches the next group before it waits for the oldest group's event, then reads that snapshot,
-retires the requests it shows stopped (their slots and blocks are freed), admits waiting ones into free slots
-and reports progress, while the device runs the next group. A request that stopped on the device while the host
-was a group behind has emitted nothing since (its row is inactive), so its tokens are read exactly; snapshots
-taken before a slot's admission are skipped for it. The last groups are sized from the rounds the live requests
-are expected to need, so few rounds run with no live row. No round reads anything on the host.
+``length``, ``stop_reason`` and ``tokens`` (and ``token_logprobs`` with logprobs) into one of two pinned host buffer
+sets, with an event. It keeps two groups queued: it launches the next group before it waits for the oldest group's
+event, then reads that snapshot, retires the requests it shows stopped (their slots and blocks are freed), admits
+waiting ones into free slots and reports progress, while the device runs the next group. A request that stopped on
+the device while the host was a group behind has emitted nothing since (its row is inactive), so its tokens are read
+exactly; snapshots taken before a slot's admission are skipped for it. The last groups are sized from the rounds the
+live requests are expected to need, so few rounds run with no live row. No round reads anything on the host.
 
 Stopping and max_model_len. A round writes KV at positions up to ``length - 1 + k`` (target and draft alike), so
 a request's length is capped at ``min(prompt + max_new_tokens, max_model_len - k)``: it finishes ("length") before
