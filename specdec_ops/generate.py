@@ -25,7 +25,7 @@ from dataclasses import asdict
 
 import torch
 
-from .runtime.generator import METHODS, Generator, GeneratorConfig, Request
+from .runtime.generator import LOGPROB_MODES, METHODS, Generator, GeneratorConfig, Request
 
 # The default draft: SmolLM2-135M's first 24 of 30 layers with its final norm and head (an early exit; no trained
 # draft ships with the package). Measured teacher-forced greedy agreement with the full model over 40 generated
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the rounds (default: on CUDA only)")
     p.add_argument("--max-model-len", type=_positive_int, default=None)
     p.add_argument("--read-every", type=_positive_int, default=2, help="rounds between host reads (default 2)")
-    p.add_argument("--logprobs", choices=("raw", "processed"), default=None,
+    p.add_argument("--logprobs", choices=[mode for mode in LOGPROB_MODES if mode], default=None,
                    help="also report each generated token's log-probability under the target's softmax (raw) or "
                    "under its processed distribution: temperature, then the filters (processed; 0 when greedy)")
     p.add_argument("--no-plain", action="store_true", help="skip the target-only comparison")
@@ -347,8 +347,8 @@ def main(argv=None) -> int:
         print(json.dumps(document, indent=2))
         return 0
     for entry in outputs:
-        logprob = "" if "logprobs" not in entry else \
-            f", sum of {args.logprobs} logprobs {sum(entry['logprobs']):.3f}"
+        logprob = (f", sum of {args.logprobs} logprobs {sum(entry['logprobs']):.3f}" if "logprobs" in entry
+                   else "")
         print(f"\n### {entry['prompt']}\n{entry['text']}\n[{entry['num_tokens']} tokens, {entry['finish_reason']}"
               + logprob + ("" if plain_out is None or args.temperature > 0 else
                  f", same as target-only: {entry['matches_target_only']}") + "]")

@@ -231,7 +231,8 @@ def test_prefill_path_through_references_equals_plain_path(dtype, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
     assert torch.equal(model(dense_ids, dense_positions), want_dense)
     assert len(calls) == 2 * model.config.num_layers
-    # 16 tokens keep linear.py's path (here the plain code: not CUDA).
+    # 16 tokens keep the layer's own forward under the forced dispatch (the real dispatch's 16-token threshold is
+    # test_prefill_kernels_only_for_many_half_precision_cuda_rows_eagerly's).
     model(ids[:16], positions[:16], metadata._replace(kv_caches=tuple(c.clone() for c in caches),
                                                       slot_mapping=metadata.slot_mapping[:16],
                                                       token_rows=metadata.token_rows[:16],

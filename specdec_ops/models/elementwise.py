@@ -20,8 +20,8 @@ correctly rounded division, so that it rounds as PyTorch does; the interpreter h
 `torch.ops.specdec_models.rms_norm`, `.add_rms_norm` and `.silu_mul` are `torch.library.custom_op`s with fake
 kernels (torch.compile(fullgraph=True) can trace each as one node, and CUDA graphs capture the launch, though the
 model calls them in eager forwards only): the Triton kernels on CUDA for float32/float16/bfloat16, the references
-elsewhere. Each program waits for the kernel before
-it (dependent launch on Hopper, dependent_launch.py), like the rotary + KV-write kernel it runs beside.
+elsewhere. Each program waits for the kernel before it (dependent launch on Hopper, dependent_launch.py), like the
+rotary + KV-write kernel it runs beside.
 
 `runs_prefill_kernels(x)` is where the model decides to run these (and, with a paged cache of the model's dtype,
 `attention.rope_write_kv` for the rotary and the cache write) instead of the plain code: an eager float16/bfloat16
@@ -36,11 +36,11 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from . import dependent_launch
+# What the kernels take (they compute in float32), as the attention kernel; other dtypes run the references.
+from .attention import KERNEL_DTYPES
 from .dependent_launch import release_and_wait
 from .linear import HALF_DTYPES, MAX_ROWS
 
-# What the kernels take (they compute in float32); other dtypes run the references.
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # silu_mul's columns per program.
 SILU_MUL_BLOCK = 1024
 
