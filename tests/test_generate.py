@@ -163,6 +163,35 @@ def test_eos_max_tokens_and_length_stop_independently(target, draft):
     assert [r.finish_reason for r in plain.requests] == [r.finish_reason for r in out.requests]
 
 
+@pytest.mark.parametrize("draft_model", [False, True])
+def test_several_eos_ids_stop_at_the_first_of_them(target, draft, draft_model):
+    # eos_token_id as a list (Llama 3 ends a turn with any of three ids): the request stops at the first
+    # generated token that is any of them, in any round column, at its first token too; [] stops at none.
+    requests = mixed_requests(23, 8)
+    refs = [greedy_reference(target, r.prompt_ids, r.max_new_tokens) for r in requests]
+    unused = next(t for t in range(CONFIG.vocab_size) if all(t not in ref for ref in refs))
+    with_later = [i for i, ref in enumerate(refs) if len(set(ref)) > 3]
+    assert len(with_later) >= 3, "test setup: pick other requests"
+    for index in with_later[:3]:  # a later id listed first, the third token's id second
+        ref = refs[index]
+        later = next(t for t in ref[3:] if t not in ref[:3])
+        requests[index].eos_token_id = [unused, later, ref[2]]
+    first_stop = next(i for i in range(len(requests) - 1) if i not in with_later[:3])
+    requests[first_stop].eos_token_id = (unused, refs[first_stop][0])  # stops at its first token
+    requests[-1].eos_token_id = []
+    want, reasons = [], []
+    for request, ref in zip(requests, refs):
+        ids = request.eos_token_id if isinstance(request.eos_token_id, (list, tuple)) else []
+        stop = next((i for i, t in enumerate(ref) if t in ids), None)
+        want.append(ref if stop is None else ref[: stop + 1])
+        reasons.append("max_tokens" if stop is None else "eos")
+    assert reasons.count("eos") == 4 and len(want[first_stop]) == 1
+    config = small_config(2, max_model_len=64)
+    out = Generator(target, draft if draft_model else None, config, device="cpu", compile=False).generate(requests)
+    assert [r.token_ids for r in out.requests] == want
+    assert [r.finish_reason for r in out.requests] == reasons
+
+
 class RecordingGenerator(Generator):
     """Checks, at every admission, that no two live requests share a block and that the new slot was free."""
 
@@ -227,6 +256,67 @@ def test_overlapped_host_loop_gives_the_same_outputs(target, draft, read_every, 
     assert [r.token_ids for r in plain.requests] == want
 
 
+@pytest.mark.parametrize("speculative, read_every, overlap", [(True, 1, True), (True, 3, False), (False, 2, True)])
+def test_stream_gives_each_requests_tokens_in_order(target, draft, speculative, read_every, overlap):
+    # 9 requests through 3 slots, two stopping at an EOS: each request's streamed pieces, in order, are its
+    # output, a piece per host read that saw new tokens, never empty; long requests arrive in several pieces.
+    requests = mixed_requests(41, 9)
+    refs = [greedy_reference(target, r.prompt_ids, r.max_new_tokens) for r in requests]
+    for index in [i for i, ref in enumerate(refs) if len(ref) > 3][:2]:
+        requests[index].eos_token_id = refs[index][2]
+    pieces = {i: [] for i in range(len(requests))}
+    finished_before = []
+
+    def stream(index, token_ids):
+        assert token_ids, "an empty piece"
+        pieces[index].append(list(token_ids))
+
+    def progress(new_tokens, finished):
+        finished_before.append(finished)
+
+    config = small_config(2, read_every=read_every, overlap=overlap)
+    out = Generator(target, draft if speculative else None, config, device="cpu", compile=False).generate(
+        requests, progress=progress, stream=stream)
+    for index, result in enumerate(out.requests):
+        assert [t for piece in pieces[index] for t in piece] == result.token_ids
+    longest = max(range(len(requests)), key=lambda i: len(out.requests[i].token_ids))
+    assert len(out.requests[longest].token_ids) >= 8 and len(pieces[longest]) >= 2
+    assert sum(r.finish_reason == "eos" for r in out.requests) == 2
+    assert finished_before[-1] == len(requests)
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_stream_can_end_requests_early(target, draft, speculative):
+    # The callback ends some requests at their 5th token (a stop string, a cancelled client) and one at once
+    # (keep 0): those keep exactly what it said; the others, some of which take the freed slots while the
+    # ended rows' rounds are still queued, are unaffected; every block comes back.
+    requests = mixed_requests(41, 9)
+    refs = [greedy_reference(target, r.prompt_ids, r.max_new_tokens) for r in requests]
+    cut = {i: 5 for i, ref in enumerate(refs) if len(ref) > 6 and i % 2 == 0}
+    cut[next(i for i in range(len(requests)) if i not in cut and len(refs[i]) > 1)] = 0
+    assert len(cut) >= 3, "test setup: pick other requests"
+    seen = {i: 0 for i in range(len(requests))}
+
+    def stream(index, token_ids):
+        before, seen[index] = seen[index], seen[index] + len(token_ids)
+        if index in cut and seen[index] >= cut[index]:
+            return cut[index] - before
+        return None
+
+    generator = Generator(target, draft if speculative else None, small_config(2, read_every=2), device="cpu",
+                          compile=False)
+    out = generator.generate(requests, stream=stream)
+    for index, (ref, result) in enumerate(zip(refs, out.requests)):
+        if index in cut:
+            assert result.token_ids == ref[:cut[index]] and result.finish_reason == "stop"
+        else:
+            assert result.token_ids == ref and result.finish_reason == "max_tokens"
+    assert generator.pool.num_free == generator.num_blocks - 1 and not generator.active.any()
+    with pytest.raises(ValueError, match=r"stream returned 99 for requests\[0\]; expected None or an int"):
+        generator.generate(requests, stream=lambda index, token_ids: 99)
+    assert [r.token_ids for r in generator.generate(requests).requests] == refs
+
+
 class Interrupted(Exception):
     pass
 
@@ -241,10 +331,14 @@ def test_generator_runs_again_after_an_interrupted_generate(target, draft):
     def progress(new_tokens, finished):
         raise Interrupted
 
-    with pytest.raises(Interrupted):
-        generator.generate(requests, progress=progress)
-    assert generator.pool.num_free == generator.num_blocks - 1 and not generator.active.any()
-    assert [r.token_ids for r in generator.generate(requests).requests] == want
+    def stream(index, token_ids):
+        raise Interrupted
+
+    for callbacks in (dict(progress=progress), dict(stream=stream)):
+        with pytest.raises(Interrupted):
+            generator.generate(requests, **callbacks)
+        assert generator.pool.num_free == generator.num_blocks - 1 and not generator.active.any()
+        assert [r.token_ids for r in generator.generate(requests).requests] == want
 
 
 class _Replay:
@@ -636,7 +730,11 @@ def test_bad_requests_and_configs_are_refused(target, draft):
         (rejection, Request([1], 4, temperature=math.nan), "temperature must be a finite number >= 0"),
         (generator, Request([1], 4, temperature=0.7), "method 'greedy' verifies by argmax"),
         (generator, Request([1], 4, seed=-1), "seed must be an int"),
-        (generator, Request([1], 4, eos_token_id=CONFIG.vocab_size), "eos_token_id must be None or an int"),
+        (generator, Request([1], 4, eos_token_id=CONFIG.vocab_size), "eos_token_id must be None, an int"),
+        (generator, Request([1], 4, eos_token_id=[3, -1]), "eos_token_id must be None, an int"),
+        (generator, Request([1], 4, eos_token_id=[3, True]), "eos_token_id must be None, an int"),
+        (generator, Request([1], 4, eos_token_id=list(range(9))), "a list or tuple of at most 8 such ints"),
+        (generator, Request([1], 4, eos_token_id="2"), "eos_token_id must be None, an int"),
         (filtered, Request([1], 4, top_k=-1), r"top_k must be an int >= 0"),
         (filtered, Request([1], 4, top_k=2.0), r"top_k must be an int >= 0"),
         (filtered, Request([1], 4, top_p=0.0), r"top_p must be a number in \(0, 1\]"),
@@ -828,6 +926,106 @@ def test_command_json_on_the_random_model(capsys):
     assert [r["logprobs"] for r in sampled["requests"]] == [[0.0] * 6] * 3
 
 
+def test_command_stops_on_the_tokenizers_and_the_checkpoints_eos_ids():
+    from types import SimpleNamespace
+
+    from specdec_ops.generate import _eos_ids, _text
+
+    target = SimpleNamespace(vocab_size=100, config=SimpleNamespace(eos_token_ids=(5, 9, 2, 100)))
+    tokenizer = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
+    assert _eos_ids(target, tokenizer) == [2, 5, 9]  # the out-of-vocabulary 100 dropped
+    assert _eos_ids(SimpleNamespace(vocab_size=100, config=SimpleNamespace()), tokenizer) == [2]
+    assert _text(tokenizer, [3, 4, 9], [2, 5, 9]) == "3 4" and _text(tokenizer, [9, 3], [2, 5, 9]) == "9 3"
+
+
+class LetterTokenizer:
+    """Token t is the letter chr(97 + t % 26); 25 ('z') is its EOS, left out of the text."""
+
+    eos_token_id = 25
+
+    def decode(self, ids, *, skip_special_tokens: bool = False):
+        return "".join(chr(97 + t % 26) for t in ids if not (skip_special_tokens and t == 25))
+
+
+def test_stop_strings_end_requests_at_the_token_that_completes_them(target, draft, capsys):
+    from specdec_ops.generate import _TextTracker
+
+    tokenizer = LetterTokenizer()
+    requests = mixed_requests(5, 9)
+    refs = [greedy_reference(target, r.prompt_ids, r.max_new_tokens) for r in requests]
+    texts = [tokenizer.decode(ref) for ref in refs]
+    # Stop strings of two letters from the middle of two requests' texts (a token boundary inside them).
+    long_ones = [i for i, text in enumerate(texts) if len(text) >= 8][:2]
+    assert len(long_ones) == 2, "test setup: pick other requests"
+    stops = [texts[i][4:6] for i in long_ones]
+    want = []
+    for text, ref in zip(texts, refs):
+        found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+        want.append(ref if not found else ref[: min(found) + 2])  # a token per letter: stop + 2 tokens
+    tracker = _TextTracker(tokenizer, [], stops)
+    out = Generator(target, draft, small_config(3, read_every=3), device="cpu", compile=False).generate(
+        requests, stream=tracker)
+    assert [r.token_ids for r in out.requests] == want
+    for index, (result, ref) in enumerate(zip(out.requests, refs)):
+        assert result.finish_reason == ("stop" if result.token_ids != ref else "max_tokens")
+        text = tracker.text(result.token_ids)
+        assert not any(stop in text for stop in stops)
+        assert text == texts[index][: len(result.token_ids) - (2 if result.finish_reason == "stop" else 0)]
+    assert sum(r.finish_reason == "stop" for r in out.requests) >= 2
+    # Echo holds back what may begin a stop string, and a closing EOS is not text.
+    echo = _TextTracker(tokenizer, [25], ["cd"], echo=True)
+    assert echo(0, [0, 1, 2]) is None and capsys.readouterr().out == "ab"
+    assert echo(0, [4, 2, 3, 5]) == 3 and capsys.readouterr().out == "ce"
+    plain = _TextTracker(tokenizer, [25], [], echo=True)
+    assert plain(0, [7, 8]) is None and plain(0, [25]) is None and capsys.readouterr().out == "hi"
+
+
+def test_command_stop_strings(target, draft, capsys, monkeypatch):
+    import json
+
+    from specdec_ops import generate
+
+    monkeypatch.setattr(generate, "build_models", lambda args, dtype, device: (target, draft, LetterTokenizer()))
+    argv = ["--target", "letters", "--prompt-ids", "4,5,6", "--prompt-ids", "7", "--max-new-tokens", "12", "--json"]
+    assert generate.main(argv) == 0
+    free = json.loads(capsys.readouterr().out)["requests"]
+    assert free[0]["text"] == LetterTokenizer().decode(free[0]["token_ids"]) and len(free[0]["text"]) == 12
+    stop = free[0]["text"][5:7]
+    assert generate.main(argv + ["--stop", stop]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["config"]["stop"] == [stop]
+    for entry, before in zip(document["requests"], free):
+        cut = before["text"].find(stop)
+        assert entry["text"] == (before["text"] if cut < 0 else before["text"][:cut])
+        assert entry["token_ids"] == (before["token_ids"] if cut < 0 else before["token_ids"][:cut + 2])
+        assert entry["finish_reason"] == ("max_tokens" if cut < 0 else "stop") and entry["matches_target_only"]
+    assert document["requests"][0]["finish_reason"] == "stop"
+
+
+def test_command_streams_the_text_of_one_request(capsys, monkeypatch):
+    import json
+
+    from specdec_ops import generate
+
+    argv = ["--target", "random", "--prompt-ids", "4,5,6", "--max-new-tokens", "9", "--k", "2", "--draft-layers",
+            "2"]
+    assert generate.main(argv + ["--json"]) == 0
+    token_ids = json.loads(capsys.readouterr().out)["requests"][0]["token_ids"]
+    pieces = []
+    original = generate._TextTracker.__call__
+
+    def recording(self, index, ids):
+        pieces.append(list(ids))
+        original(self, index, ids)
+
+    monkeypatch.setattr(generate._TextTracker, "__call__", recording)
+    assert generate.main(argv + ["--stream"]) == 0
+    out = capsys.readouterr().out
+    text = " ".join(map(str, token_ids))
+    assert out.startswith(f"\n### 4 5 6\n{text}\n[9 tokens, max_tokens, same as target-only: True]")
+    assert len(pieces) >= 2 and [t for piece in pieces for t in piece] == token_ids
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--k", "0"], "expected an integer >= 1"),
     (["--temperature", "-1"], "expected a finite number >= 0"),
@@ -842,6 +1040,10 @@ def test_command_json_on_the_random_model(capsys):
     (["--min-p", "1.5"], r"expected a number in \[0, 1\]"),
     (["--method", "typical", "--temperature", "0.5", "--top-p", "0.9"], "--method typical takes the temperature"),
     (["--top-k", "50"], "give --temperature > 0"),
+    (["--stream"], "give one --prompt"),
+    (["--stop", ""], "a stop string must not be empty"),
+    (["--target", "random", "--prompt-ids", "1", "--stop", "x"], "--stop needs a tokenizer"),
+    (["--stream", "--json", "--prompt", "hi"], "--stream prints text as it is generated"),
 ])
 def test_command_refuses_bad_flags(argv, message, capsys):
     from specdec_ops.generate import main

@@ -383,6 +383,28 @@ def test_loader_errors(hf_checkpoint, tmp_path):
         load_tokenizer(path)
 
 
+def test_generation_config_adds_eos_ids(hf_checkpoint, tmp_path):
+    # Llama 3 Instruct checkpoints list <|eot_id|> in generation_config.json, not always in config.json.
+    import shutil
+
+    name, path, _ = hf_checkpoint
+    if name != "llama-untied-gqa":
+        pytest.skip("one case is enough")
+    target = tmp_path / "ckpt"
+    shutil.copytree(path, target)
+    config = json.loads((target / "config.json").read_text())
+    config["eos_token_id"] = 2
+    (target / "config.json").write_text(json.dumps(config))
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 2, 9]}))
+    model = load_model(target)
+    assert model.config.eos_token_id == 2 and model.config.eos_token_ids == (2, 5, 9)
+    (target / "generation_config.json").unlink()
+    assert load_model(target).config.eos_token_ids == (2,)
+    (target / "generation_config.json").write_text(json.dumps({"eos_token_id": ["eos"]}))
+    with pytest.raises(ValueError, match=r"generation_config.json: config key `eos_token_id` must be an int"):
+        load_model(target)
+
+
 def test_gguf_loader_errors(tmp_path):
     gguf = pytest.importorskip("gguf")
     import numpy as np

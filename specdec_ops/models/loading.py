@@ -71,8 +71,7 @@ def config_from_hf(hf: dict, *, dtype: torch.dtype | None = None, source: str = 
         raise ValueError(f"{source}: config key `mlp_bias` is true; MLP biases are not supported")
     if dtype is None:
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = _eos_ids(hf.get("eos_token_id"), source)
     return LlamaConfig(
         vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
         num_heads=int(hf["num_attention_heads"]),
@@ -85,6 +84,25 @@ def config_from_hf(hf: dict, *, dtype: torch.dtype | None = None, source: str = 
         attention_bias=arch == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos_ids[0] if eos_ids else None, eos_token_ids=eos_ids,
         max_position_embeddings=hf.get("max_position_embeddings"), architecture=arch)
+
+
+def _eos_ids(value, source: str) -> tuple[int, ...]:
+    """A config's `eos_token_id` (None, an int or a list of ints) as a tuple."""
+    values = value if isinstance(value, list) else ([] if value is None else [value])
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"{source}: config key `eos_token_id` must be an int >= 0 or a list of them, got {value!r}")
+    return tuple(values)
+
+
+def _with_generation_eos(config: LlamaConfig, file: pathlib.Path) -> LlamaConfig:
+    """config with the end-of-sequence ids of a checkpoint's generation_config.json added, when it has one:
+    some checkpoints list there the ids that end a chat turn (Llama 3 Instruct's <|eot_id|>) and in config.json
+    only the end of text."""
+    if not file.is_file():
+        return config
+    extra = _eos_ids(json.loads(file.read_text()).get("eos_token_id"), str(file))
+    ids = config.eos_token_ids + tuple(e for e in extra if e not in config.eos_token_ids)
+    return dataclasses.replace(config, eos_token_id=ids[0] if ids else None, eos_token_ids=ids)
 
 
 # --- filling a model -----------------------------------------------------------------------------------------
@@ -186,6 +204,7 @@ def _load_hf_dir(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
                                 "checkpoint directory: config.json plus model.safetensors)")
     hf = json.loads(config_file.read_text())
     config = config_from_hf(hf, dtype=None if dtype is None else _dtype(dtype, "load_model"), source=str(config_file))
+    config = _with_generation_eos(config, path / "generation_config.json")
     if num_layers is not None:
         config = _truncated_config(config, num_layers)
     from safetensors import safe_open

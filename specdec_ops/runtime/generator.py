@@ -44,10 +44,11 @@ The host (`generate`, `_HostLoop`) runs groups: a group is up to ``read_every`` 
 ``length``, ``stop_reason`` and ``tokens`` (and ``token_logprobs`` with logprobs) into one of two pinned host buffer
 sets, with an event. It keeps two groups queued: it launches the next group before it waits for the oldest group's
 event, then reads that snapshot, retires the requests it shows stopped (their slots and blocks are freed), admits
-waiting ones into free slots and reports progress, while the device runs the next group. A request that stopped on
-the device while the host was a group behind has emitted nothing since (its row is inactive), so its tokens are read
-exactly; snapshots taken before a slot's admission are skipped for it. The last groups are sized from the rounds the
-live requests are expected to need, so few rounds run with no live row. No round reads anything on the host.
+waiting ones into free slots, streams the new tokens and reports progress, while the device runs the next group. A
+request that stopped on the device while the host was a group behind has emitted nothing since (its row is
+inactive), so its tokens are read exactly; snapshots taken before a slot's admission are skipped for it. The last
+groups are sized from the rounds the live requests are expected to need, so few rounds run with no live row. No
+round reads anything on the host.
 
 Stopping and max_model_len. A round writes KV at positions up to ``length - 1 + k`` (target and draft alike), so
 a request's length is capped at ``min(prompt + max_new_tokens, max_model_len - k)``: it finishes ("length") before
@@ -93,7 +94,8 @@ LOGPROB_MODES = (None, "raw", "processed")
 SAMPLING_METHODS = ("rejection", "block")  # verified by rejection_sample_logits against the draft's probabilities
 # stop_reason codes on the device, and their names
 RUNNING, STOP_EOS, STOP_MAX_TOKENS, STOP_LENGTH = 0, 1, 2, 3
-STOP_NAMES = {STOP_EOS: "eos", STOP_MAX_TOKENS: "max_tokens", STOP_LENGTH: "length"}
+STOP_BY_CALLER = 4  # host only: the generate call's stream callback ended the request
+STOP_NAMES = {STOP_EOS: "eos", STOP_MAX_TOKENS: "max_tokens", STOP_LENGTH: "length", STOP_BY_CALLER: "stop"}
 # The target's own draws (a request's first token, target-only rounds) use sample_draft at the new token's
 # position plus this offset: the draft draws at the positions of the tokens it is fed, and a shared random number
 # would correlate a draft with the token it continues, which biases rejection sampling.
@@ -102,6 +104,8 @@ TARGET_STREAM_OFFSET = 1 << 40
 # target's positions + TARGET_STREAM_OFFSET): the round's stop point depends on all its drafts, so the next round
 # must not draft with the numbers that made them, as drafting at the positions it continues from would.
 BLOCK_DRAFT_STREAM_OFFSET = 1 << 41
+# End-of-sequence ids a request may stop on (Llama 3 checkpoints list three); unused entries are -1.
+MAX_EOS_TOKEN_IDS = 8
 # Prompt tokens per prefill forward (the admitted prompts are packed, longer ones split): on the CPU the attention
 # is the reference gather, which builds [T, C] context slots; on CUDA the Triton kernel reads the cache in place.
 PREFILL_CHUNK = 256
@@ -165,7 +169,8 @@ class Request:
     max_new_tokens: tokens to generate at most (>= 1).
     temperature: 0 for greedy, else sampling from softmax(logits / temperature) (finite, >= 0).
     seed: the request's random stream (an int in [0, 2**63)).
-    eos_token_id: generation stops after this token (None: no EOS stop).
+    eos_token_id: generation stops after this token: an int, a list or tuple of up to MAX_EOS_TOKEN_IDS ints (it
+        stops at the first of them, as Llama 3's several end-of-turn ids need), or None (no EOS stop).
     top_k: keep the top_k most probable tokens (an int >= 0; 0 = off). Needs GeneratorConfig.sampling_filters.
     top_p: keep the smallest set of most probable tokens whose probability reaches top_p (in (0, 1]; 1 = off).
     min_p: keep the tokens of probability >= min_p times the most probable one's (in [0, 1]; 0 = off).
@@ -177,7 +182,7 @@ class Request:
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
-    eos_token_id: int | None = None
+    eos_token_id: int | Sequence[int] | None = None
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -186,8 +191,8 @@ class Request:
 @dataclass
 class RequestOutput:
     """A finished request: its prompt, the generated ids (EOS included when it stopped there), why it stopped
-    ("eos", "max_tokens" or "length": max_model_len) and, with GeneratorConfig.logprobs, each generated token's
-    log-probability (None otherwise)."""
+    ("eos", "max_tokens", "length": max_model_len, or "stop": the stream callback ended it) and, with
+    GeneratorConfig.logprobs, each generated token's log-probability (None otherwise)."""
 
     prompt_ids: list[int]
     token_ids: list[int]
@@ -242,7 +247,7 @@ class _Prepared(NamedTuple):
     max_new_tokens: int
     temperature: float
     seed: int
-    eos: int
+    eos: tuple[int, ...]  # MAX_EOS_TOKEN_IDS ids, -1 for none
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -368,7 +373,7 @@ class Generator:
         self.cap_is_length = zeros(slots, dtype=torch.bool)  # the cap comes from max_model_len
         self.stop_reason = zeros(slots, dtype=torch.int64)
         self.active = zeros(slots, dtype=torch.bool)
-        self.eos = torch.full((slots,), -1, dtype=torch.int64, device=device)
+        self.eos = torch.full((slots, MAX_EOS_TOKEN_IDS), -1, dtype=torch.int64, device=device)
         self.temperature = zeros(slots, dtype=torch.float32)
         self.top_k = zeros(slots, dtype=torch.int64)  # the filters, off until a request sets them
         self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
@@ -548,7 +553,8 @@ class Generator:
         columns = torch.arange(q, device=self.device)
         length, cap = self.length[:batch], self.cap[:batch]
         emitted = torch.where(active, (out != -1).sum(1), 0)
-        is_eos = (out == self.eos[:batch, None]) & (columns < emitted[:, None])
+        # -1 (no token) equals the unused EOS entries, but lies past `emitted`.
+        is_eos = (out[:, :, None] == self.eos[:batch, None, :]).any(2) & (columns < emitted[:, None])
         eos_column = torch.where(is_eos.any(1), is_eos.int().argmax(1), q)
         emitted = torch.minimum(torch.minimum(emitted, eos_column + 1), (cap - length).clamp(min=0))
         hit_eos = eos_column < emitted
@@ -735,11 +741,25 @@ class Generator:
         seed = request.seed
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
             raise ValueError(f"{where}.seed must be an int in [0, 2**63), got {seed!r}")
-        eos = request.eos_token_id
-        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < self.vocab_size):
-            raise ValueError(f"{where}.eos_token_id must be None or an int in [0, {self.vocab_size}), got {eos!r}")
-        return _Prepared(prompt, max_new, float(temperature), seed, -1 if eos is None else eos, top_k, float(top_p),
-                         float(min_p))
+        eos = self._eos_ids(where, request.eos_token_id)
+        return _Prepared(prompt, max_new, float(temperature), seed, eos, top_k, float(top_p), float(min_p))
+
+    def _eos_ids(self, where: str, eos) -> tuple[int, ...]:
+        """Request.eos_token_id as MAX_EOS_TOKEN_IDS ids padded with -1."""
+        expected = (f"None, an int in [0, {self.vocab_size}) or a list or tuple of at most {MAX_EOS_TOKEN_IDS} "
+                    f"such ints")
+        if eos is None:
+            ids = []
+        elif isinstance(eos, int) and not isinstance(eos, bool):
+            ids = [eos]
+        elif isinstance(eos, (list, tuple)) and len(eos) <= MAX_EOS_TOKEN_IDS:
+            ids = list(eos)
+        else:
+            raise ValueError(f"{where}.eos_token_id must be {expected}, got {eos!r}")
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise ValueError(f"{where}.eos_token_id must be {expected}, got {eos!r}")
+        return tuple(ids) + (-1,) * (MAX_EOS_TOKEN_IDS - len(ids))
 
     def _to_device(self, values: torch.Tensor) -> torch.Tensor:
         """A host tensor on the generator's device: on CUDA through pinned memory with a non-blocking copy, so the
@@ -764,7 +784,7 @@ class Generator:
         positions: list[int] = []
         token_rows: list[int] = []
         draft_tokens: list[int] = []  # indices into the packed tokens the draft prefills (each prompt but its last)
-        # per request: slot, length, cap, cap_is_length, eos, seed, stop unless EOS, last, top_k
+        # per request: slot, length, cap, cap_is_length, seed, stop unless EOS, last, top_k, its EOS ids
         fields: list[int] = []
         temperatures: list[float] = []
         top_ps: list[float] = []
@@ -784,8 +804,8 @@ class Generator:
             ids.extend(prompt)
             positions.extend(range(length))
             token_rows.extend([row] * length)
-            fields.extend((slot, length, cap, int(cap_is_length), request.eos, request.seed, stop,
-                           first + length - 1, request.top_k))
+            fields.extend((slot, length, cap, int(cap_is_length), request.seed, stop, first + length - 1,
+                           request.top_k, *request.eos))
             temperatures.append(request.temperature)
             top_ps.append(request.top_p)
             min_ps.append(request.min_p)
@@ -796,8 +816,9 @@ class Generator:
             torch.tensor(temperatures + top_ps + min_ps, dtype=torch.float32)).view(3, count).unbind(0)
         ids_d, positions_d, rows_d = packed[:3 * num_tokens].view(3, num_tokens).unbind(0)
         draft_d = packed[3 * num_tokens: 3 * num_tokens + num_draft]
-        slot_d, length_d, cap_d, cap_is_length_d, eos_d, seed_d, stop_d, last_d, top_k_d = (
-            packed[3 * num_tokens + num_draft:].view(count, 9).unbind(1))
+        per_request = packed[3 * num_tokens + num_draft:].view(count, 8 + MAX_EOS_TOKEN_IDS)
+        slot_d, length_d, cap_d, cap_is_length_d, seed_d, stop_d, last_d, top_k_d = per_request[:, :8].unbind(1)
+        eos_d = per_request[:, 8:]
         block_rows = self.block_table.tensor.long()[slot_d]  # [count, blocks_per_req]
 
         hidden = self._prefill("target", block_rows, ids_d, positions_d, rows_d, keep=True)
@@ -812,7 +833,7 @@ class Generator:
         self.tokens.index_put_((slot_d * width + length_d,), first)
         if self.token_logprobs is not None:
             self.token_logprobs.index_put_((slot_d * width + length_d,), first_logprob)
-        stop = torch.where(first == eos_d, STOP_EOS, stop_d)
+        stop = torch.where((first[:, None] == eos_d).any(1), STOP_EOS, stop_d)
         self.length.index_copy_(0, slot_d, length_d + 1)
         self.cap.index_copy_(0, slot_d, cap_d)
         self.cap_is_length.index_copy_(0, slot_d, cap_is_length_d.bool())
@@ -923,12 +944,21 @@ class Generator:
     # --- the host loop --------------------------------------------------------------------------------
 
     def generate(self, requests: Sequence[Request], *, progress: Callable[[int, int], None] | None = None,
+                 stream: Callable[[int, list[int]], int | None] | None = None,
                  warm_up_progress: Callable[[str], None] | None = None) -> GenerationOutput:
         """Generates every request with continuous batching; returns their outputs (in order) and the metrics.
 
-        progress(new_tokens, finished_requests) is called after every host read. When the call raises (a bad
-        request, a raising progress callback, an interrupt), its requests are dropped and the generator is ready
-        for the next call.
+        progress(new_tokens, finished_requests) is called after every host read.
+
+        stream(index, token_ids), when given, receives each request's tokens as the host reads them: after every
+        read, for each request that generated tokens since its last call (index: its place in `requests`), the
+        new ones in order; a request's calls together give its RequestOutput.token_ids. It returns None to go
+        on, or an int n in [0, len(token_ids)] to end the request after the first n of these tokens (finish
+        reason "stop": a stop string, a cancelled client); its slot and blocks are freed at once, and the rounds
+        already queued for it change nothing that another request reads.
+
+        When the call raises (a bad request, a raising callback, an interrupt), its requests are dropped and the
+        generator is ready for the next call.
         """
         prepared = [self._prepare(i, r) for i, r in enumerate(requests)]
         self.warm_up(warm_up_progress)
@@ -936,7 +966,7 @@ class Generator:
         self.counts.zero_()
         self.stop_reason.zero_()
         try:
-            return _HostLoop(self, prepared, progress).run()
+            return _HostLoop(self, prepared, progress, stream).run()
         except BaseException:  # an error or an interrupt (a raising progress callback, Ctrl-C) mid-generation
             self._abandon()
             raise
@@ -986,8 +1016,9 @@ class _HostLoop:
     costs one more, shorter group, and the device waits for the host between such groups.
     """
 
-    def __init__(self, generator: Generator, prepared: list[_Prepared], progress):
-        self.g, self.prepared, self.progress = generator, prepared, progress
+    def __init__(self, generator: Generator, prepared: list[_Prepared], progress, stream):
+        self.g, self.prepared, self.progress, self.stream = generator, prepared, progress, stream
+        self.streamed = [0] * len(prepared)  # per request: generated tokens given to `stream`
         self.on_cuda = generator.device.type == "cuda"
         self.snapshot = _Snapshot(generator, pinned=self.on_cuda)
         self.outputs: list[RequestOutput | None] = [None] * len(prepared)
@@ -1071,9 +1102,26 @@ class _HostLoop:
                 continue  # this snapshot predates the slot's request
             index = self.live[slot]
             self.known_length[slot], self.known_at[slot] = lengths[slot], rounds
+            prompt_len = len(self.prepared[index].prompt)
+            if self.stream is not None and lengths[slot] > prompt_len + self.streamed[index]:
+                # Tokens up to a row's length are final: later rounds only append.
+                begin = prompt_len + self.streamed[index]
+                keep = self.stream(index, tokens[slot, begin: lengths[slot]].tolist())
+                if keep is not None:
+                    if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= lengths[slot] - begin:
+                        raise ValueError(f"Generator.generate: stream returned {keep!r} for requests[{index}]; "
+                                         f"expected None or an int in [0, {lengths[slot] - begin}]")
+                    # Its row may still be live on the device: retiring it queues behind the rounds in flight
+                    # (which write only its own blocks), and no snapshot is read for it again.
+                    del self.live[slot]
+                    kept = slice(prompt_len, begin + keep)
+                    self.finish(slot, index, tokens[slot, kept].tolist(), STOP_BY_CALLER,
+                                logprobs[0][slot, kept].tolist() if logprobs else None)
+                    continue
+                self.streamed[index] = lengths[slot] - prompt_len
             if stops[slot] != RUNNING:
                 del self.live[slot]
-                generated = slice(len(self.prepared[index].prompt), lengths[slot])
+                generated = slice(prompt_len, lengths[slot])
                 self.finish(slot, index, tokens[slot, generated].tolist(), stops[slot],
                             logprobs[0][slot, generated].tolist() if logprobs else None)
         if self.progress is not None:
