@@ -158,6 +158,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--stream prints text as it is generated; --json prints one document at the end: give one")
     if args.stream and len(args.prompt or args.prompt_ids or BUILTIN_PROMPTS) != 1:
         parser.error("--stream prints one request's text as it grows: give one --prompt (or --prompt-ids)")
+    if args.draft is not None and args.draft_layers is not None:
+        parser.error("--draft-layers makes the default draft from the target; it does not apply with --draft")
     if args.target == "random" and args.prompt:
         parser.error("--target random has no tokenizer: give --prompt-ids")
     try:
@@ -216,6 +218,7 @@ def build_models(args, dtype: torch.dtype, device: str):
         if args.draft is not None:
             draft = load_model(args.draft, dtype=dtype, device=device)
             check_draft_matches_target(target, draft)
+            _check_same_tokenizer(tokenizer, args.draft)
             return target, draft, tokenizer
     # The default draft: the target's first layers (all but the last when the target has fewer than asked for).
     num_layers = target.config.num_layers
@@ -224,6 +227,24 @@ def build_models(args, dtype: torch.dtype, device: str):
         raise ValueError(f"--draft-layers {draft_layers}: the target has {num_layers} layers, so the draft takes 1 "
                          f"to {num_layers - 1} of them")
     return target, target.truncated(draft_layers), tokenizer
+
+
+def _check_same_tokenizer(tokenizer, draft_path) -> None:
+    """Refuses a draft checkpoint whose tokenizer maps a token to another id than the target's (same vocabulary
+    size or not, its drafts would be other tokens); a draft without a tokenizer of its own is taken as it is."""
+    import pathlib
+
+    from .models import load_tokenizer
+
+    path = pathlib.Path(draft_path)
+    if path.is_dir() and not (path / "tokenizer.json").is_file():
+        return
+    target_vocab, draft_vocab = tokenizer.get_vocab(), load_tokenizer(path).get_vocab()
+    if target_vocab != draft_vocab:
+        token = next((t for t in sorted(set(target_vocab) | set(draft_vocab))
+                      if target_vocab.get(t) != draft_vocab.get(t)))
+        raise ValueError(f"--draft {draft_path}: its tokenizer differs from the target's: token {token!r} has id "
+                         f"{target_vocab.get(token)} in the target's and {draft_vocab.get(token)} in the draft's")
 
 
 def _prompts(args, tokenizer):
@@ -408,7 +429,8 @@ def main(argv=None) -> int:
     for index, (text, result) in enumerate(zip(texts, spec_out.requests)):
         entry = dict(prompt=text, prompt_token_ids=list(prompt_ids[index]), token_ids=result.token_ids,
                      text=tracker.text(result.token_ids), finish_reason=result.finish_reason,
-                     num_tokens=len(result.token_ids))
+                     num_tokens=len(result.token_ids), num_rounds=result.num_rounds,
+                     acceptance_rate=result.acceptance_rate)
         if result.logprobs is not None:
             entry["logprobs"] = result.logprobs
         if plain_out is not None:

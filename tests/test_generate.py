@@ -87,10 +87,37 @@ def test_greedy_speculative_equals_target_only(target, draft, joined_requests, k
     metrics = spec.metrics
     assert metrics.generated_tokens == sum(r.max_new_tokens for r in requests)
     assert len(metrics.acceptance_per_position) == k
+    # Per request: its rounds add up to the row-rounds; its acceptance is its own share.
+    assert sum(r.num_rounds for r in spec.requests) == metrics.row_rounds
+    assert all(r.num_rounds >= -(-(len(r.token_ids) - 1) // (k + 1)) for r in spec.requests)
+    rates = [r.acceptance_rate for r in spec.requests if r.num_rounds]
+    assert min(rates) <= metrics.acceptance_rate <= max(rates) and min(rates) < max(rates)
+    assert [r.num_rounds for r in plain.requests] == [len(r.token_ids) - 1 for r in plain.requests]
+    assert all(r.acceptance_rate is None for r in plain.requests)
     # The damped target accepts the prefix draft often, so the test covers accepted and rejected drafts.
     assert 0.3 < metrics.acceptance_rate < 1.0
     assert metrics.mean_emitted_per_round > 1.0
     assert all(a >= b for a, b in zip(metrics.acceptance_per_position, metrics.acceptance_per_position[1:]))
+
+
+@pytest.fixture(scope="module")
+def float32_pair():
+    """The damped target and its one-layer draft in float32, and 7 requests through 3 slots with their
+    target-only output."""
+    target = damped_target(dataclasses.replace(CONFIG, dtype=torch.float32), seed=1, keep_layers=1, scale=0.3)
+    requests = mixed_requests(11, 7)
+    plain = Generator(target, None, small_config(1), device="cpu", compile=False).generate(requests)
+    return target, prefix_draft(target, 1), requests, plain
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_speculative_equals_target_only_in_float32(float32_pair, k):
+    # In float32 the verify forward (k + 1 tokens per request) and the decode forward (1) sum in other orders,
+    # which no argmax of these models is close enough to notice.
+    target, draft, requests, plain = float32_pair
+    spec = Generator(target, draft, small_config(k), device="cpu", compile=False).generate(requests)
+    assert [r.token_ids for r in spec.requests] == [r.token_ids for r in plain.requests]
+    assert 0.3 < spec.metrics.acceptance_rate < 1.0
 
 
 def test_full_acceptance_emits_the_bonus_token(target):
@@ -911,6 +938,7 @@ def test_command_json_on_the_random_model(capsys):
     for entry in document["requests"]:
         assert len(entry["token_ids"]) == 6 and entry["finish_reason"] == "max_tokens"
         assert entry["matches_target_only"] and entry["text"] == " ".join(map(str, entry["token_ids"]))
+        assert entry["num_rounds"] >= 2 and 0 <= entry["acceptance_rate"] <= 1
     assert document["speculative"]["generated_tokens"] == 18 == document["target_only"]["generated_tokens"]
     assert len(document["speculative"]["acceptance_per_position"]) == 2
     assert document["config"]["method"] == "greedy" and document["config"]["batch_sizes"] == [2]
@@ -1000,6 +1028,56 @@ def test_command_stop_strings(target, draft, capsys, monkeypatch):
         assert entry["token_ids"] == (before["token_ids"] if cut < 0 else before["token_ids"][:cut + 2])
         assert entry["finish_reason"] == ("max_tokens" if cut < 0 else "stop") and entry["matches_target_only"]
     assert document["requests"][0]["finish_reason"] == "stop"
+
+
+def save_tiny_checkpoint(path, *, layers: int, vocab: int = 64, seed: int = 0, word: str = "w"):
+    """A Llama checkpoint directory as transformers writes it (random weights) with a word-level tokenizer.json:
+    token i is the word f"{word}{i}", 1 the EOS."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = {"<unk>": 0, "</s>": 1, **{f"{word}{i}": i for i in range(2, vocab)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(words, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    backend.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_command_with_checkpoint_directories(tmp_path, capsys):
+    import json
+
+    from specdec_ops.generate import main
+
+    target = save_tiny_checkpoint(tmp_path / "target", layers=3)
+    draft = save_tiny_checkpoint(tmp_path / "draft", layers=1, seed=1)
+    argv = ["--target", str(target), "--draft", str(draft), "--prompt", "w5 w9 w3", "--prompt", "w7",
+            "--max-new-tokens", "8", "--k", "3", "--json", "--split"]
+    assert main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["config"]["draft"] == str(draft) and document["config"]["eos_token_ids"] == [1]
+    for entry in document["requests"]:
+        assert entry["matches_target_only"] and 1 <= entry["num_tokens"] <= 8
+        assert entry["text"].split() == [f"w{t}" for t in entry["token_ids"] if t != 1]
+    assert document["requests"][0]["prompt_token_ids"][-3:] == [5, 9, 3]
+    split = document["speculative"]["split_ms"]
+    assert set(split) >= {"draft", "target", "verify"} and all(value > 0 for value in split.values())
+    # A draft of another vocabulary, and --draft-layers beside --draft, are refused with what was expected.
+    other = save_tiny_checkpoint(tmp_path / "other", layers=1, vocab=80)
+    assert main(["--target", str(target), "--draft", str(other), "--prompt", "w5"]) == 2
+    assert "vocabulary" in capsys.readouterr().err
+    renamed = save_tiny_checkpoint(tmp_path / "renamed", layers=1, word="v")  # same size, other tokens
+    assert main(["--target", str(target), "--draft", str(renamed), "--prompt", "w5"]) == 2
+    assert "its tokenizer differs from the target's: token 'v10' has id None in the target's and 10" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--target", str(target), "--draft", str(draft), "--draft-layers", "1"])
+    assert "--draft-layers makes the default draft" in capsys.readouterr().err
 
 
 def test_command_streams_the_text_of_one_request(capsys, monkeypatch):

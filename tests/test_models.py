@@ -258,9 +258,10 @@ def test_loads_sharded_checkpoint_and_half_dtypes(hf_checkpoint, tmp_path):
         assert half.embed_tokens.weight.dtype == (torch.bfloat16 if dtype is torch.bfloat16 else torch.float16)
 
 
-def write_gguf_like_llama_cpp(hf, path):
+def write_gguf_like_llama_cpp(hf, path, *, metadata=None, extra_tensors=None):
     """A float32 GGUF of a transformers model, laid out as llama.cpp's converter does: llama q/k rows permuted
-    into its rope layout, Llama 3 rope scaling as rope_freqs divisors, no output.weight when tied."""
+    into its rope layout, Llama 3 rope scaling as rope_freqs divisors, no output.weight when tied. metadata:
+    more uint32 fields; extra_tensors: more tensors, by name."""
     gguf = pytest.importorskip("gguf")
     from specdec_ops.models.llama import rotary_inv_freq
 
@@ -280,6 +281,8 @@ def write_gguf_like_llama_cpp(hf, path):
     rope = getattr(c, "rope_parameters", None) or {"rope_theta": c.rope_theta}
     writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_vocab_size(c.vocab_size)
+    for key, value in (metadata or {}).items():
+        writer.add_uint32(key, value)
 
     def permute(w, heads):
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -315,6 +318,8 @@ def write_gguf_like_llama_cpp(hf, path):
         add(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
         add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
         add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+    for name, tensor in (extra_tensors or {}).items():
+        add(name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -332,6 +337,23 @@ def test_gguf_written_like_llama_cpp_matches_transformers(hf_checkpoint, tmp_pat
         with torch.no_grad():
             ours = model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids))))
         torch.testing.assert_close(ours, hf_logits(hf, ids), atol=LOGITS_ATOL, rtol=0)
+
+
+def test_gguf_end_of_turn_ids_and_unused_tensors(hf_checkpoint, tmp_path):
+    name, _, hf = hf_checkpoint
+    if name != "llama-untied-gqa":
+        pytest.skip("one case is enough")
+    ids = {"tokenizer.ggml.eos_token_id": 3, "tokenizer.ggml.eot_token_id": 7, "tokenizer.ggml.eom_token_id": 7}
+    model = load_model(write_gguf_like_llama_cpp(hf, tmp_path / "eot.gguf", metadata=ids))
+    assert model.config.eos_token_id == 3 and model.config.eos_token_ids == (3, 7)
+    # A layer the config does not count: an error, unless the caller asked for fewer layers.
+    sd = hf.state_dict()
+    extra = {"blk.2.attn_norm.weight": sd["model.layers.0.input_layernorm.weight"]}
+    path = write_gguf_like_llama_cpp(hf, tmp_path / "extra.gguf", extra_tensors=extra)
+    with pytest.raises(ValueError, match=r"holds tensors the config \(LlamaForCausalLM, 2 layers\) does not use: "
+                       r"blk\.2\.attn_norm\.weight"):
+        load_model(path)
+    assert load_model(path, num_layers=1).config.num_layers == 1
 
 
 # --- loader errors -------------------------------------------------------------------------------------------
@@ -377,6 +399,19 @@ def test_loader_errors(hf_checkpoint, tmp_path):
     deeper = copy("deeper", edit=lambda c: c.update(num_hidden_layers=3))
     with pytest.raises(ValueError, match="no tensor model.layers.2"):
         load_model(deeper)
+    shallower = copy("shallower", edit=lambda c: c.update(num_hidden_layers=1))
+    with pytest.raises(ValueError, match=r"holds tensors the config \(Qwen2ForCausalLM, 1 layers\) does not use: "
+                       r"model\.layers\.1\.input_layernorm\.weight, .* and \d+ more"):
+        load_model(shallower)
+    assert load_model(path, num_layers=1).config.num_layers == 1
+    bad_json = copy("bad_json")
+    (bad_json / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
+        load_model(bad_json)
+    no_map = copy("no_map", drop="model.safetensors")
+    (no_map / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match=r"has no `weight_map` object"):
+        load_model(no_map)
     with pytest.raises(ValueError, match="unsupported dtype"):
         load_model(path, dtype="int8")
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):

@@ -100,7 +100,7 @@ def _with_generation_eos(config: LlamaConfig, file: pathlib.Path) -> LlamaConfig
     only the end of text."""
     if not file.is_file():
         return config
-    extra = _eos_ids(json.loads(file.read_text()).get("eos_token_id"), str(file))
+    extra = _eos_ids(_read_json(file).get("eos_token_id"), str(file))
     ids = config.eos_token_ids + tuple(e for e in extra if e not in config.eos_token_ids)
     return dataclasses.replace(config, eos_token_id=ids[0] if ids else None, eos_token_ids=ids)
 
@@ -114,10 +114,12 @@ class _TensorReader:
     def __init__(self, read: Callable[[str], torch.Tensor]):
         self._read = read
         self.read_names: list[str] = []
+        self.used: set[str] = set()  # every name read
 
     def __call__(self, name: str) -> torch.Tensor:
         tensor = self._read(name)
         self.read_names.append(f"{name} {tuple(tensor.shape)}")
+        self.used.add(name)
         return tensor
 
 
@@ -133,6 +135,26 @@ def _fill_model(model: LlamaModel, get: Callable[[str], torch.Tensor], reader: _
                 raise ValueError(f"load_model: {source}: checkpoint tensor {' + '.join(reader.read_names)} gives "
                                  f"{name} shape {tuple(tensor.shape)}, the config expects {tuple(param.shape)}")
             param.copy_(tensor.to(param.dtype))
+
+
+def _check_all_used(names, reader: _TensorReader, names_format: "_CheckpointNames", config: LlamaConfig,
+                    truncated: bool, source: str, ignored=()) -> None:
+    """Refuses a checkpoint with tensors the config leaves unread (more layers than the config says, say), which
+    would otherwise load as another model. Not refused: the layers past a requested num_layers, the output head
+    of a config with tied embeddings (transformers ties it too), and the names in `ignored`."""
+    layer_prefix = names_format.layer_prefix.split("{")[0]
+    head = names_format.top["lm_head.weight"]
+    unused = []
+    for name in sorted(set(names) - reader.used):
+        if name in ignored or name.endswith("rotary_emb.inv_freq") or (name == head and config.tie_word_embeddings):
+            continue
+        if truncated and name.startswith(layer_prefix):
+            continue
+        unused.append(name)
+    if unused:
+        shown = ", ".join(unused[:4]) + (f" and {len(unused) - 4} more" if len(unused) > 4 else "")
+        raise ValueError(f"load_model: {source} holds tensors the config ({config.architecture}, "
+                         f"{config.num_layers} layers) does not use: {shown}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,10 +224,11 @@ def _load_hf_dir(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
     if not config_file.is_file():
         raise FileNotFoundError(f"load_model: {path} is a directory without config.json (expected a Hugging Face "
                                 "checkpoint directory: config.json plus model.safetensors)")
-    hf = json.loads(config_file.read_text())
+    hf = _read_json(config_file)
     config = config_from_hf(hf, dtype=None if dtype is None else _dtype(dtype, "load_model"), source=str(config_file))
     config = _with_generation_eos(config, path / "generation_config.json")
-    if num_layers is not None:
+    truncated = num_layers is not None
+    if truncated:
         config = _truncated_config(config, num_layers)
     from safetensors import safe_open
 
@@ -214,7 +237,9 @@ def _load_hf_dir(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
         shard_of = None
         files = [single]
     elif index.is_file():
-        shard_of = json.loads(index.read_text())["weight_map"]
+        shard_of = _read_json(index).get("weight_map")
+        if not isinstance(shard_of, dict):
+            raise ValueError(f"load_model: {index} has no `weight_map` object (expected a safetensors index)")
         files = sorted({path / f for f in shard_of.values()})
         for f in files:
             if not f.is_file():
@@ -238,7 +263,18 @@ def _load_hf_dir(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
 
     model = LlamaModel(config, device=device, init_weights=False)
     _fill_model(model, get, read, str(path))
+    _check_all_used(shard_of, read, _HF_NAMES, config, truncated, str(path))
     return model
+
+
+def _read_json(file: pathlib.Path) -> dict:
+    try:
+        value = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"load_model: {file} is not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"load_model: {file} must hold a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _truncated_config(config: LlamaConfig, num_layers: int) -> LlamaConfig:
@@ -284,6 +320,10 @@ def config_from_gguf(reader, *, dtype: torch.dtype, source: str) -> LlamaConfig:
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     head_size = _gguf_field(reader, f"{arch}.attention.key_length") or hidden // heads
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    # llama.cpp's converter stores a chat model's end-of-turn ids (Llama 3's <|eot_id|>, <|eom_id|>) beside it.
+    eos_ids = tuple(dict.fromkeys(int(v) for v in (eos, _gguf_field(reader, "tokenizer.ggml.eot_token_id"),
+                                                      _gguf_field(reader, "tokenizer.ggml.eom_token_id"))
+                                  if v is not None))
     scaling = None
     scaling_kind = _gguf_field(reader, f"{arch}.rope.scaling.type")
     if scaling_kind == "linear":
@@ -300,7 +340,7 @@ def config_from_gguf(reader, *, dtype: torch.dtype, source: str) -> LlamaConfig:
         rope_scaling=scaling, tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=eos, eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_id=eos_ids[0] if eos_ids else None, eos_token_ids=eos_ids,
         max_position_embeddings=_gguf_field(reader, f"{arch}.context_length"),
         architecture="Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM")
 
@@ -314,7 +354,8 @@ def _load_gguf(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
 
     reader = gguf.GGUFReader(str(path))
     config = config_from_gguf(reader, dtype=_dtype(dtype or torch.float32, "load_model"), source=str(path))
-    if num_layers is not None:
+    truncated = num_layers is not None
+    if truncated:
         config = _truncated_config(config, num_layers)
     by_name = {t.name: t for t in reader.tensors}
     arch = _gguf_field(reader, "general.architecture")
@@ -348,6 +389,7 @@ def _load_gguf(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
         from .llama import rotary_inv_freq
 
         model.inv_freq.copy_((rotary_inv_freq(config) / factors).to(model.inv_freq.dtype))
+    _check_all_used(by_name, read, _GGUF_NAMES, config, truncated, str(path))
     return model
 
 
@@ -406,6 +448,10 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; special tokens only where the tokenizer adds them by default (e.g. Llama's BOS)."""
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def get_vocab(self) -> dict[str, int]:
+        """Every token's text and id."""
+        return dict(self._tokenizer.get_vocab())
 
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

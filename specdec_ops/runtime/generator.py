@@ -192,12 +192,20 @@ class Request:
 class RequestOutput:
     """A finished request: its prompt, the generated ids (EOS included when it stopped there), why it stopped
     ("eos", "max_tokens", "length": max_model_len, or "stop": the stream callback ended it) and, with
-    GeneratorConfig.logprobs, each generated token's log-probability (None otherwise)."""
+    GeneratorConfig.logprobs, each generated token's log-probability (None otherwise).
+
+    num_rounds: the rounds its row was live in (its first token comes from the prefill, so a request that ran to
+    its end emitted len(token_ids) - 1 tokens in them); acceptance_rate: its accepted / tested drafts (as
+    GenerationMetrics.acceptance_rate; None for target-only generation or a request that ran no round). A
+    request ended by the stream callback counts the rounds its row ran until the host retired it.
+    """
 
     prompt_ids: list[int]
     token_ids: list[int]
     finish_reason: str
     logprobs: list[float] | None = None
+    num_rounds: int = 0
+    acceptance_rate: float | None = None
 
 
 @dataclass
@@ -388,6 +396,7 @@ class Generator:
         # Counters: accepted drafts per position, tested drafts, live row-rounds, emitted tokens.
         self.accepted_at = zeros(k, dtype=torch.int64)
         self.counts = zeros(3, dtype=torch.int64)  # (tested drafts, live row-rounds, emitted tokens)
+        self.request_counts = zeros(slots, 3, dtype=torch.int64)  # per slot: (live rounds, tested, accepted drafts)
         # Split timing: the target part's logits for the verification part.
         self._split_logits = None
         self._split_runners: dict[str, StepGraphs] = {}
@@ -495,7 +504,10 @@ class Generator:
         accepted = (out != -1).sum(1) - 1  # in [0, k]: every row emits the substitute or the bonus
         positions = torch.arange(k, device=self.device)
         self.accepted_at += (active[:, None] & (accepted[:, None] > positions)).sum(0)
-        self.counts[0] += torch.where(active, torch.clamp(accepted + 1, max=k), 0).sum()
+        tested = torch.where(active, torch.clamp(accepted + 1, max=k), 0)
+        self.counts[0] += tested.sum()
+        self.request_counts[:batch, 1] += tested
+        self.request_counts[:batch, 2] += torch.where(active, accepted, 0)
         self._commit(out, batch, active, logprobs)
         self.query_tokens[:batch] = torch.where(active[:, None], inputs, self.query_tokens[:batch])
         self.query_start[:batch] = torch.where(active, start, self.query_start[:batch])
@@ -577,6 +589,7 @@ class Generator:
         self.length[:batch] = new_length
         self.counts[1] += active.sum()
         self.counts[2] += emitted.sum()
+        self.request_counts[:batch, 0] += active.long()
 
     # --- warm-up and timing ---------------------------------------------------------------------------
 
@@ -845,6 +858,7 @@ class Generator:
         self.top_p.index_copy_(0, slot_d, top_p_d)
         self.min_p.index_copy_(0, slot_d, min_p_d)
         self.verify_offset.index_fill_(0, slot_d, 0)
+        self.request_counts.index_fill_(0, slot_d, 0)
         self.seeds.index_copy_(0, slot_d, seed_d)
         self.last_token.index_copy_(0, slot_d, first)
         self.query_start.index_copy_(0, slot_d, length_d - 1)
@@ -1019,6 +1033,7 @@ class _HostLoop:
     def __init__(self, generator: Generator, prepared: list[_Prepared], progress, stream):
         self.g, self.prepared, self.progress, self.stream = generator, prepared, progress, stream
         self.streamed = [0] * len(prepared)  # per request: generated tokens given to `stream`
+        self.request_counts = None  # the newest snapshot's per-slot counters
         self.on_cuda = generator.device.type == "cuda"
         self.snapshot = _Snapshot(generator, pinned=self.on_cuda)
         self.outputs: list[RequestOutput | None] = [None] * len(prepared)
@@ -1095,7 +1110,7 @@ class _HostLoop:
         """Waits for the oldest group's snapshot, then retires the requests it shows stopped (a stopped row
         emits nothing in later rounds, so its tokens are final however far the device has run ahead)."""
         group, rounds, handle = self.in_flight.popleft()
-        length, stop_reason, tokens, *logprobs = self.snapshot.wait(handle)
+        length, stop_reason, tokens, self.request_counts, *logprobs = self.snapshot.wait(handle)
         lengths, stops = length.tolist(), stop_reason.tolist()
         for slot in list(self.live):
             if group <= self.admitted_after[slot]:
@@ -1131,7 +1146,10 @@ class _HostLoop:
             self.reported = total
 
     def finish(self, slot: int, index: int, tokens: list[int], reason: int, logprobs: list[float] | None) -> None:
-        self.outputs[index] = RequestOutput(self.prepared[index].prompt, tokens, STOP_NAMES[reason], logprobs)
+        rounds, tested, accepted = self.request_counts[slot].tolist()
+        acceptance = accepted / tested if self.g.speculative and tested else None
+        self.outputs[index] = RequestOutput(self.prepared[index].prompt, tokens, STOP_NAMES[reason], logprobs,
+                                            rounds, acceptance)
         self.g._retire(slot)
         self.free.append(slot)
         self.finished += 1
@@ -1166,15 +1184,15 @@ class _HostLoop:
 
 
 class _Snapshot:
-    """Host copies of the generator's length, stop_reason, tokens and (with logprobs) token_logprobs, in two sets
-    used in turn (a group's snapshot is read while the next group's is taken).
+    """Host copies of the generator's length, stop_reason, tokens, request_counts and (with logprobs)
+    token_logprobs, in two sets used in turn (a group's snapshot is read while the next group's is taken).
 
     On CUDA the sets are pinned, each copy is queued without a sync and followed by an event that `wait`
     synchronizes with; elsewhere a copy is plain.
     """
 
     def __init__(self, generator: Generator, pinned: bool):
-        self.sources = (generator.length, generator.stop_reason, generator.tokens_2d)
+        self.sources = (generator.length, generator.stop_reason, generator.tokens_2d, generator.request_counts)
         if generator.token_logprobs is not None:
             self.sources += (generator.token_logprobs.view(generator.tokens_2d.shape),)
         self.pinned = pinned
