@@ -726,6 +726,30 @@ def test_triton_split_vocab_in_reversed_program_order(monkeypatch):
     assert scratch_is_zeroed()
 
 
+def test_sample_draft_with_filters_is_sample_draft_filtered():
+    # sample_draft takes top_k / top_p / min_p too (the ones not given are off); without them it is the plain op,
+    # which draws the same tokens as the filtered op with every filter off.
+    gen = torch.Generator().manual_seed(4)
+    n, vocab = 24, 300
+    logits = 3 * torch.randn(n, vocab, generator=gen)
+    temperature = torch.rand(n, generator=gen) + 0.3
+    temperature[::5] = 0
+    seeds = torch.randint(0, 2 ** 40, (n,), generator=gen)
+    positions = torch.randint(0, 1000, (n,), generator=gen)
+    top_k = torch.randint(0, 20, (n,), generator=gen)
+    top_p = torch.rand(n, generator=gen) * 0.5 + 0.5
+    off_k, off_p, off_min = torch.zeros(n, dtype=torch.int64), torch.ones(n), torch.zeros(n)
+    for kwargs, filters in ((dict(top_k=top_k), (top_k, off_p, off_min)), (dict(top_p=top_p), (off_k, top_p, off_min)),
+                            (dict(top_k=top_k, top_p=top_p, min_p=top_p / 4), (top_k, top_p, top_p / 4))):
+        probs, want_probs = torch.empty(n, vocab), torch.empty(n, vocab)
+        got = specdec_ops.sample_draft(logits, temperature, seeds, positions, probs, **kwargs)
+        want = specdec_ops.sample_draft_filtered(logits, temperature, *filters, seeds, positions, want_probs)
+        assert torch.equal(got, want) and torch.equal(probs, want_probs)
+    plain = specdec_ops.sample_draft(logits, temperature, seeds, positions)
+    assert torch.equal(plain, specdec_ops.sample_draft_filtered(logits, temperature, off_k, off_p, off_min, seeds,
+                                                                positions))
+
+
 def test_sample_draft_filtered_writes_a_strided_column():
     args = make_draft_case(71, 5, 33)
     buf = torch.full((5, 3, 33), 7.0)

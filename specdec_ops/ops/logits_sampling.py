@@ -186,12 +186,20 @@ def sample_draft_filtered(
     positions: torch.Tensor,
     probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Samples one token per row from its processed distribution; returns int64 [n].
+    """Samples one token per row from its processed distribution (module docstring); returns int64 [n], each in
+    [0, V). `sample_draft(..., top_k=, top_p=, min_p=)` calls this.
 
     Args:
-        logits: [n, V] float32/bfloat16/float16, unit last stride.
-        temperature, top_p, min_p: [n] float32. top_k: [n] int32/int64. seeds, positions: [n] int64.
-        probs: float32 [n, V] with a unit last stride, or None: receives the processed distribution.
+        logits: [n, V], float32, bfloat16 or float16, unit last stride.
+        temperature: [n], float32. A row with temperature <= 0 is greedy (its argmax; filters ignored).
+        top_k: [n], int32 or int64. Keep the top_k most probable tokens (0 = off; ties at the cut-off kept).
+        top_p: [n], float32. Keep the most probable tokens up to this probability mass (1 = off).
+        min_p: [n], float32. Keep tokens of probability >= min_p times the most probable one's (0 = off).
+        seeds: [n], int64. Each row's seed.
+        positions: [n], int64. Each row's position in its random stream (the random numbers of sample_draft at
+            the same seed and position).
+        probs: [n, V], float32, unit last stride, or None. Receives the processed distribution (one-hot for
+            greedy rows): the q the drafts were drawn from.
     """
     if probs is None:
         return torch.ops.specdec.sample_draft_filtered.default(logits, temperature, top_k, top_p, min_p, seeds,

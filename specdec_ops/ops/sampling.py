@@ -173,6 +173,10 @@ def sample_draft(
     seeds: torch.Tensor,
     positions: torch.Tensor,
     probs: torch.Tensor | None = None,
+    *,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Samples one token per row (greedy where temperature <= 0); see the module docstring.
 
@@ -182,11 +186,29 @@ def sample_draft(
         seeds: [n], int64, any stride. Each row's seed.
         positions: [n], int64, any stride. Each row's position in its random stream.
         probs: [n, V], float32, unit last stride, or None. When given (the ``.with_probs`` overload), it receives
-            softmax(logits / T) (one-hot at the argmax for greedy rows): the q that rejection_sample takes.
+            the distribution sampled from: softmax(logits / T) (one-hot at the argmax for greedy rows), or with
+            filters the processed distribution; the q that rejection sampling takes.
+        top_k: [n], int32 or int64, or None (off): keep each row's top_k most probable tokens (0 = off).
+        top_p: [n], float32, or None (off): keep the most probable tokens up to this mass (1 = off).
+        min_p: [n], float32, or None (off): keep tokens of at least min_p times the top probability (0 = off).
+            With any of the three given, this is `sample_draft_filtered` (the ones not given are off): the
+            processed distribution of `specdec_ops.ops.logits_sampling`, which rejection_sample_logits verifies
+            against.
 
     Returns:
         [n], int64: the sampled tokens, each in [0, V).
     """
+    if top_k is not None or top_p is not None or min_p is not None:
+        from .logits_sampling import sample_draft_filtered
+
+        rows = logits.shape[0]
+        if top_k is None:
+            top_k = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+        if top_p is None:
+            top_p = torch.ones(rows, dtype=torch.float32, device=logits.device)
+        if min_p is None:
+            min_p = torch.zeros(rows, dtype=torch.float32, device=logits.device)
+        return sample_draft_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions, probs)
     if probs is None:
         return torch.ops.specdec.sample_draft.default(logits, temperature, seeds, positions)
     return torch.ops.specdec.sample_draft.with_probs(logits, temperature, seeds, positions, probs)
