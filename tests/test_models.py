@@ -536,6 +536,23 @@ def smollm2():
     return ours, tokenizer, theirs
 
 
+def test_gguf_tokenizer_of_another_vocabulary_is_refused(smollm2, monkeypatch):
+    # What transformers < 5.6 does with SmolLM2's GGUF tokenizer (5 tokens more, another encoding), simulated.
+    from transformers import AutoTokenizer
+
+    real = AutoTokenizer.from_pretrained
+
+    def with_extra_tokens(*args, **kwargs):
+        tokenizer = real(*args, **kwargs)
+        tokenizer.add_tokens(["<PRE>", "<MID>"], special_tokens=True)
+        return tokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", with_extra_tokens)
+    with pytest.raises(ValueError, match=r"built a tokenizer of 49154 tokens from .*, whose vocabulary has 49152 "
+                       r"\(transformers before 5.6"):
+        load_tokenizer(smollm2_gguf_path())
+
+
 def chat_ids(tokenizer, question):
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]))
 

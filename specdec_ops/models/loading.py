@@ -463,6 +463,21 @@ class Tokenizer:
         return "\n".join(m["content"] for m in messages)
 
 
+def _check_gguf_tokenizer(hf_tokenizer, path: pathlib.Path) -> None:
+    """Refuses a tokenizer that transformers built from a GGUF file with another vocabulary than the file's.
+    transformers before 5.6 converts SmolLM2's (a GPT-2 style BPE) as a Llama one: 5 code-infill tokens added
+    and a BOS put before every text, so prompts encode to other ids and the model answers something else."""
+    import gguf
+
+    tokens = gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.tokens")
+    if tokens is not None and len(hf_tokenizer) != len(tokens.data):
+        import transformers
+
+        raise ValueError(f"load_tokenizer: transformers {transformers.__version__} built a tokenizer of "
+                         f"{len(hf_tokenizer)} tokens from {path}, whose vocabulary has {len(tokens.data)} "
+                         "(transformers before 5.6 converts some GGUF tokenizers wrongly: upgrade transformers)")
+
+
 def load_tokenizer(path) -> Tokenizer:
     """The tokenizer of a Hugging Face checkpoint directory (its tokenizer.json) or of a .gguf file (its
     metadata), read from local files only."""
@@ -477,5 +492,7 @@ def load_tokenizer(path) -> Tokenizer:
             raise FileNotFoundError(f"load_tokenizer: {path} has no tokenizer.json")
         return Tokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
     if path.suffix.lower() == ".gguf":
-        return Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True))
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        _check_gguf_tokenizer(tokenizer, path)
+        return Tokenizer(tokenizer)
     raise ValueError(f"load_tokenizer: {path} is neither a directory nor a .gguf file")
