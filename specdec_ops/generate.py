@@ -158,7 +158,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--stream prints text as it is generated; --json prints one document at the end: give one")
     if args.stream and len(args.prompt or args.prompt_ids or BUILTIN_PROMPTS) != 1:
         parser.error("--stream prints one request's text as it grows: give one --prompt (or --prompt-ids)")
-    if args.draft is not None and args.draft_layers is not None:
+    if args.draft not in (None, "random") and args.draft_layers is not None:
         parser.error("--draft-layers makes the default draft from the target; it does not apply with --draft")
     if args.target == "random" and args.prompt:
         parser.error("--target random has no tokenizer: give --prompt-ids")
@@ -187,9 +187,9 @@ class _IdsTokenizer:
 def _eos_ids(target, tokenizer) -> list[int]:
     """The ids that end generation: the tokenizer's EOS and every one the checkpoint's config lists (but ids
     outside the vocabulary, which no generated token can be)."""
-    ids = [] if getattr(tokenizer, "eos_token_id", None) is None else [tokenizer.eos_token_id]
-    for token in getattr(target.config, "eos_token_ids", ()):
-        if token not in ids and 0 <= token < target.vocab_size:
+    ids = []
+    for token in (getattr(tokenizer, "eos_token_id", None), *getattr(target.config, "eos_token_ids", ())):
+        if token is not None and token not in ids and 0 <= token < target.vocab_size:
             ids.append(token)
     return ids
 
@@ -319,7 +319,7 @@ class _TextTracker:
         if self.echo:
             text = self.text(ids)
             if keep is None:
-                text = text[:len(text) - max((len(stop) for stop in self.stops), default=1) + 1]
+                text = text[:max(0, len(text) - max((len(stop) for stop in self.stops), default=1) + 1)]
                 text = text.rstrip("\ufffd")  # a character whose bytes span tokens not all here yet
             self.print_to(text)
         return keep

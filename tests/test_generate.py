@@ -332,13 +332,26 @@ def test_stream_can_end_requests_early(target, draft, speculative):
 
     generator = Generator(target, draft if speculative else None, small_config(2, read_every=2), device="cpu",
                           compile=False)
-    out = generator.generate(requests, stream=stream)
+    reported = []
+    out = generator.generate(requests, stream=stream, progress=lambda new_tokens, finished: reported.append(new_tokens))
+    assert min(reported) >= 0 and sum(reported) == sum(len(r.token_ids) for r in out.requests)
     for index, (ref, result) in enumerate(zip(refs, out.requests)):
         if index in cut:
             assert result.token_ids == ref[:cut[index]] and result.finish_reason == "stop"
         else:
             assert result.token_ids == ref and result.finish_reason == "max_tokens"
     assert generator.pool.num_free == generator.num_blocks - 1 and not generator.active.any()
+    # One slot: the second request is admitted (its first token written) before a snapshot shows it; ended at
+    # once, it never counted in the progress.
+    one_slot = Generator(target, draft if speculative else None, small_config(2, max_num_reqs=1, batch_sizes=(1,)),
+                         device="cpu", compile=False)
+    reported = []
+    out = one_slot.generate([Request([1, 2, 3], 40, eos_token_id=151), Request([4, 5, 6], 10)],
+                            stream=lambda i, ids: 0 if i else None,
+                            progress=lambda new_tokens, finished: reported.append(new_tokens))
+    first, second = out.requests
+    assert second.token_ids == [] and first.finish_reason == "eos"  # it stops mid-group
+    assert min(reported) >= 0 and sum(reported) == len(first.token_ids)
     with pytest.raises(ValueError, match=r"stream returned 99 for requests\[0\]; expected None or an int"):
         generator.generate(requests, stream=lambda index, token_ids: 99)
     assert [r.token_ids for r in generator.generate(requests).requests] == refs
@@ -1004,6 +1017,10 @@ def test_stop_strings_end_requests_at_the_token_that_completes_them(target, draf
     echo = _TextTracker(tokenizer, [25], ["cd"], echo=True)
     assert echo(0, [0, 1, 2]) is None and capsys.readouterr().out == "ab"
     assert echo(0, [4, 2, 3, 5]) == 3 and capsys.readouterr().out == "ce"
+    # A stop string longer than the text so far: nothing of it shows, even when it never completes.
+    long_stop = _TextTracker(tokenizer, [], ["abcdefghij"], echo=True)
+    assert long_stop(0, [0, 1, 2, 3, 4, 5]) is None and capsys.readouterr().out == ""
+    assert long_stop(0, list(range(6, 10))) == 4 and capsys.readouterr().out == ""
     plain = _TextTracker(tokenizer, [25], [], echo=True)
     assert plain(0, [7, 8]) is None and plain(0, [25]) is None and capsys.readouterr().out == "hi"
 
@@ -1094,7 +1111,7 @@ def test_command_streams_the_text_of_one_request(capsys, monkeypatch):
 
     def recording(self, index, ids):
         pieces.append(list(ids))
-        original(self, index, ids)
+        return original(self, index, ids)
 
     monkeypatch.setattr(generate._TextTracker, "__call__", recording)
     assert generate.main(argv + ["--stream"]) == 0

@@ -354,6 +354,11 @@ def test_gguf_end_of_turn_ids_and_unused_tensors(hf_checkpoint, tmp_path):
                        r"blk\.2\.attn_norm\.weight"):
         load_model(path)
     assert load_model(path, num_layers=1).config.num_layers == 1
+    # ... but a tensor of a kept layer that the model has no place for is refused when truncating too.
+    odd = write_gguf_like_llama_cpp(hf, tmp_path / "odd.gguf", extra_tensors={
+        "blk.0.attn_q_norm.weight": sd["model.layers.0.input_layernorm.weight"]})
+    with pytest.raises(ValueError, match=r"does not use: blk\.0\.attn_q_norm\.weight"):
+        load_model(odd, num_layers=1)
 
 
 # --- loader errors -------------------------------------------------------------------------------------------

@@ -148,7 +148,8 @@ def _check_all_used(names, reader: _TensorReader, names_format: "_CheckpointName
     for name in sorted(set(names) - reader.used):
         if name in ignored or name.endswith("rotary_emb.inv_freq") or (name == head and config.tie_word_embeddings):
             continue
-        if truncated and name.startswith(layer_prefix):
+        if truncated and name.startswith(layer_prefix) and int(name[len(layer_prefix):].split(".")[0]) >= \
+                config.num_layers:
             continue
         unused.append(name)
     if unused:

@@ -44,7 +44,8 @@ The host (`generate`, `_HostLoop`) runs groups: a group is up to ``read_every`` 
 ``length``, ``stop_reason`` and ``tokens`` (and ``token_logprobs`` with logprobs) into one of two pinned host buffer
 sets, with an event. It keeps two groups queued: it launches the next group before it waits for the oldest group's
 event, then reads that snapshot, retires the requests it shows stopped (their slots and blocks are freed), admits
-waiting ones into free slots, streams the new tokens and reports progress, while the device runs the next group. A
+waiting ones into free slots and reports progress, while the device runs the next group (with a stream callback, it
+streams each request's new tokens as it reads them, which may end requests too). A
 request that stopped on the device while the host was a group behind has emitted nothing since (its row is
 inactive), so its tokens are read exactly; snapshots taken before a slot's admission are skipped for it. The last
 groups are sized from the rounds the live requests are expected to need, so few rounds run with no live row. No
@@ -182,7 +183,7 @@ class Request:
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
-    eos_token_id: int | Sequence[int] | None = None
+    eos_token_id: int | list[int] | tuple[int, ...] | None = None
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -197,7 +198,8 @@ class RequestOutput:
     num_rounds: the rounds its row was live in (its first token comes from the prefill, so a request that ran to
     its end emitted len(token_ids) - 1 tokens in them); acceptance_rate: its accepted / tested drafts (as
     GenerationMetrics.acceptance_rate; None for target-only generation or a request that ran no round). A
-    request ended by the stream callback counts the rounds its row ran until the host retired it.
+    request ended by the stream callback counts the rounds up to the snapshot that the host ended it on; the
+    call's metrics also count those its row ran after it.
     """
 
     prompt_ids: list[int]
@@ -966,10 +968,11 @@ class Generator:
 
         stream(index, token_ids), when given, receives each request's tokens as the host reads them: after every
         read, for each request that generated tokens since its last call (index: its place in `requests`), the
-        new ones in order; a request's calls together give its RequestOutput.token_ids. It returns None to go
-        on, or an int n in [0, len(token_ids)] to end the request after the first n of these tokens (finish
-        reason "stop": a stop string, a cancelled client); its slot and blocks are freed at once, and the rounds
-        already queued for it change nothing that another request reads.
+        new ones in order. It returns None to go on, or an int n in [0, len(token_ids)] to end the request after
+        the first n of these tokens (finish reason "stop": a stop string, a cancelled client); its slot and blocks
+        are freed at once, and the rounds already queued for it change nothing that another request reads. A
+        request's calls together give its RequestOutput.token_ids, but for the tokens past n of the call that
+        ended it.
 
         When the call raises (a bad request, a raising callback, an interrupt), its requests are dropped and the
         generator is ready for the next call.
@@ -1042,6 +1045,7 @@ class _HostLoop:
         self.live: dict[int, int] = {}  # slot -> request index
         self.admitted_after: dict[int, int] = {}  # slot -> groups launched before its admission
         self.known_length: dict[int, int] = {}  # slot -> its length as of the newest snapshot that covers it
+        self.read_length: dict[int, int] = {}  # slot -> the same, but from snapshots only (not its admission)
         self.known_at: dict[int, int] = {}  # slot -> rounds launched before that snapshot
         self.in_flight: deque = deque()  # (group number, rounds launched through it, snapshot handle)
         self.groups = self.rounds = 0
@@ -1080,6 +1084,7 @@ class _HostLoop:
             self.admitted_after[slot] = self.groups
             self.known_at[slot] = self.rounds
             self.known_length[slot] = len(self.prepared[index].prompt) + 1
+            self.read_length.pop(slot, None)
 
     def rounds_wanted(self) -> int:
         """Rounds for the next group: read_every, or fewer when every live request may stop sooner (beyond the
@@ -1117,6 +1122,7 @@ class _HostLoop:
                 continue  # this snapshot predates the slot's request
             index = self.live[slot]
             self.known_length[slot], self.known_at[slot] = lengths[slot], rounds
+            self.read_length[slot] = lengths[slot]
             prompt_len = len(self.prepared[index].prompt)
             if self.stream is not None and lengths[slot] > prompt_len + self.streamed[index]:
                 # Tokens up to a row's length are final: later rounds only append.
@@ -1140,8 +1146,9 @@ class _HostLoop:
                 self.finish(slot, index, tokens[slot, generated].tolist(), stops[slot],
                             logprobs[0][slot, generated].tolist() if logprobs else None)
         if self.progress is not None:
-            total = self.finished_tokens + sum(self.known_length[s] - len(self.prepared[i].prompt)
-                                               for s, i in self.live.items())
+            # Tokens the host has read: a request that the stream callback ends keeps at least those it was shown.
+            total = self.finished_tokens + sum(self.read_length.get(s, len(self.prepared[i].prompt)) -
+                                               len(self.prepared[i].prompt) for s, i in self.live.items())
             self.progress(total - self.reported, self.finished)
             self.reported = total
 
