@@ -558,6 +558,22 @@ def test_gguf_tokenizer_of_another_vocabulary_is_refused(smollm2, monkeypatch):
         load_tokenizer(smollm2_gguf_path())
 
 
+def test_gguf_tokenizer_takes_the_files_eos(smollm2, monkeypatch):
+    # transformers 5.6 to 5.17 report SmolLM2's <|im_start|> (1) as its EOS; the file says <|im_end|> (2).
+    from transformers import AutoTokenizer
+
+    real = AutoTokenizer.from_pretrained
+
+    def wrong_eos(*args, **kwargs):
+        tokenizer = real(*args, **kwargs)
+        tokenizer.eos_token = "<|im_start|>"
+        return tokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", wrong_eos)
+    tokenizer = load_tokenizer(smollm2_gguf_path())
+    assert (tokenizer.eos_token_id, tokenizer.bos_token_id) == (2, 1)
+
+
 def chat_ids(tokenizer, question):
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": question}]))
 

@@ -440,10 +440,10 @@ def smollm2_gguf_path() -> pathlib.Path:
 class Tokenizer:
     """A model's tokenizer: encode / decode, its EOS id and chat template (wraps a transformers fast tokenizer)."""
 
-    def __init__(self, hf_tokenizer):
+    def __init__(self, hf_tokenizer, *, eos_token_id: int | None = None, bos_token_id: int | None = None):
         self._tokenizer = hf_tokenizer
-        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
-        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id if bos_token_id is None else bos_token_id
         self.vocab_size: int = len(hf_tokenizer)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -464,19 +464,24 @@ class Tokenizer:
         return "\n".join(m["content"] for m in messages)
 
 
-def _check_gguf_tokenizer(hf_tokenizer, path: pathlib.Path) -> None:
-    """Refuses a tokenizer that transformers built from a GGUF file with another vocabulary than the file's.
-    transformers before 5.6 converts SmolLM2's (a GPT-2 style BPE) as a Llama one: 5 code-infill tokens added
-    and a BOS put before every text, so prompts encode to other ids and the model answers something else."""
+def _gguf_tokenizer(hf_tokenizer, path: pathlib.Path) -> Tokenizer:
+    """The Tokenizer of a GGUF file from the one transformers built, with the file's own EOS and BOS ids
+    (transformers 5.6 to at least 5.17 report SmolLM2's <|im_start|> as its EOS). Refuses a tokenizer of another
+    vocabulary than the file's: transformers before 5.6 converts SmolLM2's (a GPT-2 style BPE) as a Llama one,
+    5 code-infill tokens added and a BOS put before every text, so prompts encode to other ids."""
     import gguf
 
-    tokens = gguf.GGUFReader(str(path)).fields.get("tokenizer.ggml.tokens")
+    reader = gguf.GGUFReader(str(path))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None and len(hf_tokenizer) != len(tokens.data):
         import transformers
 
         raise ValueError(f"load_tokenizer: transformers {transformers.__version__} built a tokenizer of "
                          f"{len(hf_tokenizer)} tokens from {path}, whose vocabulary has {len(tokens.data)} "
                          "(transformers before 5.6 converts some GGUF tokenizers wrongly: upgrade transformers)")
+    eos, bos = (_gguf_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "bos"))
+    return Tokenizer(hf_tokenizer, eos_token_id=None if eos is None else int(eos),
+                     bos_token_id=None if bos is None else int(bos))
 
 
 def load_tokenizer(path) -> Tokenizer:
@@ -493,7 +498,6 @@ def load_tokenizer(path) -> Tokenizer:
             raise FileNotFoundError(f"load_tokenizer: {path} has no tokenizer.json")
         return Tokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
     if path.suffix.lower() == ".gguf":
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-        _check_gguf_tokenizer(tokenizer, path)
-        return Tokenizer(tokenizer)
+        return _gguf_tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                             local_files_only=True), path)
     raise ValueError(f"load_tokenizer: {path} is neither a directory nor a .gguf file")
