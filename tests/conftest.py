@@ -15,6 +15,31 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpreter_scalars_index_on_numpy_2_4():
+    """Triton < 3.7's interpreter turns a scalar (a one-element 1-D array there) into an int with int(array), which
+    numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted"), so a kernel's range() over scalar bounds
+    raises. Triton 3.7 squeezes the array first; do the same on the older releases."""
+    try:
+        import triton
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7) or not hasattr(interpreter,
+                                                                                       "_patch_lang_tensor"):
+        return
+    patch_lang_tensor = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_scalars_index_on_numpy_2_4()
+
 import pytest  # noqa: E402
 
 import specdec_ops  # noqa: E402,F401

@@ -543,16 +543,16 @@ def smollm2():
 
 def test_gguf_tokenizer_of_another_vocabulary_is_refused(smollm2, monkeypatch):
     # What transformers < 5.6 does with SmolLM2's GGUF tokenizer (5 tokens more, another encoding), simulated.
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
-    real = AutoTokenizer.from_pretrained
+    real = PreTrainedTokenizerFast.from_pretrained
 
     def with_extra_tokens(*args, **kwargs):
         tokenizer = real(*args, **kwargs)
         tokenizer.add_tokens(["<PRE>", "<MID>"], special_tokens=True)
         return tokenizer
 
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", with_extra_tokens)
+    monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained", with_extra_tokens)
     with pytest.raises(ValueError, match=r"built a tokenizer of 49154 tokens from .*, whose vocabulary has 49152 "
                        r"\(transformers before 5.6"):
         load_tokenizer(smollm2_gguf_path())
@@ -560,16 +560,16 @@ def test_gguf_tokenizer_of_another_vocabulary_is_refused(smollm2, monkeypatch):
 
 def test_gguf_tokenizer_takes_the_files_eos(smollm2, monkeypatch):
     # transformers 5.6 to 5.17 report SmolLM2's <|im_start|> (1) as its EOS; the file says <|im_end|> (2).
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
-    real = AutoTokenizer.from_pretrained
+    real = PreTrainedTokenizerFast.from_pretrained
 
     def wrong_eos(*args, **kwargs):
         tokenizer = real(*args, **kwargs)
         tokenizer.eos_token = "<|im_start|>"
         return tokenizer
 
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained", wrong_eos)
+    monkeypatch.setattr(PreTrainedTokenizerFast, "from_pretrained", wrong_eos)
     tokenizer = load_tokenizer(smollm2_gguf_path())
     assert (tokenizer.eos_token_id, tokenizer.bos_token_id) == (2, 1)
 

@@ -465,10 +465,12 @@ class Tokenizer:
 
 
 def _gguf_tokenizer(hf_tokenizer, path: pathlib.Path) -> Tokenizer:
-    """The Tokenizer of a GGUF file from the one transformers built, with the file's own EOS and BOS ids
-    (transformers 5.6 to at least 5.17 report SmolLM2's <|im_start|> as its EOS). Refuses a tokenizer of another
-    vocabulary than the file's: transformers before 5.6 converts SmolLM2's (a GPT-2 style BPE) as a Llama one,
-    5 code-infill tokens added and a BOS put before every text, so prompts encode to other ids."""
+    """The Tokenizer of a GGUF file from the one transformers built, with the file's own EOS and BOS ids, which
+    are also set on the transformers tokenizer, so that a directory it is saved to keeps them (transformers 5.0 to
+    at least 5.17 report SmolLM2's <|im_start|> as its EOS). Refuses a tokenizer of another vocabulary than the
+    file's: through AutoTokenizer, transformers before 5.6 converts SmolLM2's (a GPT-2 style BPE) as a Llama one,
+    5 code-infill tokens added and a BOS put before every text, so prompts encode to other ids (load_tokenizer
+    asks for the generic fast tokenizer instead, which those releases build right)."""
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -480,6 +482,10 @@ def _gguf_tokenizer(hf_tokenizer, path: pathlib.Path) -> Tokenizer:
                          f"{len(hf_tokenizer)} tokens from {path}, whose vocabulary has {len(tokens.data)} "
                          "(transformers before 5.6 converts some GGUF tokenizers wrongly: upgrade transformers)")
     eos, bos = (_gguf_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "bos"))
+    texts = _gguf_field(reader, "tokenizer.ggml.tokens")
+    for name, index in (("eos", eos), ("bos", bos)):
+        if texts is not None and index is not None and 0 <= int(index) < len(texts):
+            setattr(hf_tokenizer, f"{name}_token", texts[int(index)])
     return Tokenizer(hf_tokenizer, eos_token_id=None if eos is None else int(eos),
                      bos_token_id=None if bos is None else int(bos))
 
@@ -498,6 +504,9 @@ def load_tokenizer(path) -> Tokenizer:
             raise FileNotFoundError(f"load_tokenizer: {path} has no tokenizer.json")
         return Tokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
     if path.suffix.lower() == ".gguf":
-        return _gguf_tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             local_files_only=True), path)
+        # The generic class, not AutoTokenizer's pick by model type (see _gguf_tokenizer).
+        from transformers import PreTrainedTokenizerFast
+
+        return _gguf_tokenizer(PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                       local_files_only=True), path)
     raise ValueError(f"load_tokenizer: {path} is neither a directory nor a .gguf file")
