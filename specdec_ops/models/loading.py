@@ -138,15 +138,15 @@ def _fill_model(model: LlamaModel, get: Callable[[str], torch.Tensor], reader: _
 
 
 def _check_all_used(names, reader: _TensorReader, names_format: "_CheckpointNames", config: LlamaConfig,
-                    truncated: bool, source: str, ignored=()) -> None:
+                    truncated: bool, source: str) -> None:
     """Refuses a checkpoint with tensors the config leaves unread (more layers than the config says, say), which
     would otherwise load as another model. Not refused: the layers past a requested num_layers, the output head
-    of a config with tied embeddings (transformers ties it too), and the names in `ignored`."""
+    of a config with tied embeddings (transformers ties it too), and old checkpoints' rotary buffers."""
     layer_prefix = names_format.layer_prefix.split("{")[0]
     head = names_format.top["lm_head.weight"]
     unused = []
     for name in sorted(set(names) - reader.used):
-        if name in ignored or name.endswith("rotary_emb.inv_freq") or (name == head and config.tie_word_embeddings):
+        if name.endswith("rotary_emb.inv_freq") or (name == head and config.tie_word_embeddings):
             continue
         if truncated and name.startswith(layer_prefix) and int(name[len(layer_prefix):].split(".")[0]) >= \
                 config.num_layers:
@@ -474,15 +474,14 @@ def _gguf_tokenizer(hf_tokenizer, path: pathlib.Path) -> Tokenizer:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is not None and len(hf_tokenizer) != len(tokens.data):
+    texts = _gguf_field(reader, "tokenizer.ggml.tokens")
+    if texts is not None and len(hf_tokenizer) != len(texts):
         import transformers
 
         raise ValueError(f"load_tokenizer: transformers {transformers.__version__} built a tokenizer of "
-                         f"{len(hf_tokenizer)} tokens from {path}, whose vocabulary has {len(tokens.data)} "
+                         f"{len(hf_tokenizer)} tokens from {path}, whose vocabulary has {len(texts)} "
                          "(transformers before 5.6 converts some GGUF tokenizers wrongly: upgrade transformers)")
     eos, bos = (_gguf_field(reader, f"tokenizer.ggml.{name}_token_id") for name in ("eos", "bos"))
-    texts = _gguf_field(reader, "tokenizer.ggml.tokens")
     for name, index in (("eos", eos), ("bos", bos)):
         if texts is not None and index is not None and 0 <= int(index) < len(texts):
             setattr(hf_tokenizer, f"{name}_token", texts[int(index)])
