@@ -101,6 +101,23 @@ def test_batch_one_takes_the_most_splits_and_empty_splits_combine():
         check(batch, live, 1, 1e-5)
 
 
+@pytest.mark.parametrize("block_n,num_stages,target_programs", [(128, 2, 2048), (32, 4, 64), (16, 3, 1)])
+def test_other_launch_plans_match_the_reference(block_n, num_stages, target_programs):
+    # The tilings a benchmark sweeps (a plan passed in): other context steps, pipelining depths and split counts
+    # compute the same attention, for decode rows and for a uniform verify batch.
+    for query_lens, context_lens in (([1, 1, 1], [700, 5, 130]), ([5, 5], [37, 260])):
+        batch, live = make_batch(query_lens=query_lens, context_lens=context_lens, heads=4, kv_heads=2,
+                                 head_size=16, block_size=16, blocks_per_row=48, num_pad_tokens=2)
+        tokens, uniform = batch["q"].shape[0], query_lens[0]
+        plan = launch_plan(tokens, 4, 2, 16, 48 * 16, uniform, block_n=block_n, num_stages=num_stages,
+                           target_programs=target_programs)
+        assert plan["block_n"] == block_n and plan["split_len"] % block_n == 0
+        want = paged_attention_reference(**batch)
+        got = paged_attention_triton(**batch, uniform_query_len=uniform, plan=plan)
+        torch.testing.assert_close(got[:live], want[:live], atol=1e-5, rtol=0)
+        assert (got[live:] == 0).all()
+
+
 def test_tokens_of_one_row_need_not_be_contiguous():
     # The kernel reads each token's row from token_rows; a tile holding tokens of several rows still works.
     batch, live = make_batch(query_lens=[3, 4], context_lens=[10, 20], heads=4, kv_heads=2, head_size=16,

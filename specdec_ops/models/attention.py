@@ -255,8 +255,11 @@ def _next_power_of_2(n: int) -> int:
 
 
 def launch_plan(num_tokens: int, num_heads: int, kv_heads: int, head_size: int, context_len: int,
-                uniform_query_len: int) -> dict:
-    """Static tiling of one launch (from shapes only, so traced graphs stay static)."""
+                uniform_query_len: int, *, block_n: int | None = None, num_stages: int = NUM_STAGES,
+                target_programs: int = TARGET_PROGRAMS) -> dict:
+    """Static tiling of one launch (from shapes only, so traced graphs stay static). block_n (context positions
+    per loop step), num_stages and target_programs replace the defaults (scripts/bench_linear_configs.py
+    --attention sweeps them)."""
     group = num_heads // kv_heads
     if 0 < uniform_query_len and uniform_query_len * group <= MAX_TILE_ROWS:
         tile_tokens = uniform_query_len  # one request row per tile
@@ -264,27 +267,30 @@ def launch_plan(num_tokens: int, num_heads: int, kv_heads: int, head_size: int, 
         tile_tokens = max(1, 64 // _next_power_of_2(group))
     block_m = max(16, _next_power_of_2(tile_tokens * group))
     block_d = max(16, _next_power_of_2(head_size))
-    block_n = 64 if block_d <= 128 else 32
+    if block_n is None:
+        block_n = 64 if block_d <= 128 else 32
     tiles = -(-num_tokens // tile_tokens)
     programs = max(1, tiles * kv_heads)
     splits = 1
-    if programs < TARGET_PROGRAMS:
-        splits = min(MAX_SPLITS, -(-TARGET_PROGRAMS // programs), max(1, context_len // MIN_SPLIT_LEN))
+    if programs < target_programs:
+        splits = min(MAX_SPLITS, -(-target_programs // programs), max(1, context_len // MIN_SPLIT_LEN))
     split_len = -(-(-(-context_len // splits)) // block_n) * block_n
     splits = max(1, -(-context_len // split_len)) if context_len > 0 else 1
     num_warps = 8 if block_m * block_d >= 8192 else 4
     return dict(group=group, tile_tokens=tile_tokens, block_m=block_m, block_d=block_d, block_n=block_n,
-                tiles=tiles, splits=splits, split_len=split_len, num_warps=num_warps, num_stages=NUM_STAGES)
+                tiles=tiles, splits=splits, split_len=split_len, num_warps=num_warps, num_stages=num_stages)
 
 
 def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                            token_rows: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
-                           block_size: int, scale: float, uniform_query_len: int = 0) -> torch.Tensor:
+                           block_size: int, scale: float, uniform_query_len: int = 0,
+                           plan: dict | None = None) -> torch.Tensor:
     """The Triton paged attention (arguments as `paged_attention_reference`).
 
     uniform_query_len: > 0 when token t belongs to row t // uniform_query_len (decode = 1, verify = k + 1),
     which sets the tile to one row's tokens; 0 for ragged batches. Runs on any device Triton runs on (CPU
-    through the interpreter, TRITON_INTERPRET=1). Returns [T, heads, d] in q's dtype.
+    through the interpreter, TRITON_INTERPRET=1). plan: a `launch_plan` of these shapes to use instead of the
+    default one (benchmarks). Returns [T, heads, d] in q's dtype.
     """
     _check_inputs(q, kv_cache, block_tables, token_rows, positions, seq_lens, block_size)
     if q.dtype not in KERNEL_DTYPES:
@@ -298,7 +304,7 @@ def paged_attention_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables
     block_tables, token_rows = block_tables.contiguous(), token_rows.contiguous()
     positions, seq_lens = positions.contiguous(), seq_lens.contiguous()
     context_len = block_tables.shape[1] * block_size
-    plan = launch_plan(tokens, heads, kv_heads, head_size, context_len, int(uniform_query_len))
+    plan = plan or launch_plan(tokens, heads, kv_heads, head_size, context_len, int(uniform_query_len))
     out = torch.empty_like(q)
     if tokens == 0:
         return out
