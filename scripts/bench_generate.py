@@ -34,7 +34,10 @@ call per value, on the same graphs). Reported: tokens/s of each path; alpha (acc
 step time / target step time, where the draft step is the propose part of a round divided by k and the target step
 is one target-only round (each timed as its own captured graph, CUDA events); the measured speedup (speculative /
 target-only tokens/s); Leviathan et al.'s prediction (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1)); efficiency =
-measured / predicted; the host share: the part of the speculative run's wall time in which no round group ran on the
+measured / predicted, printed as the product of an acceptance factor (the measured tokens per round over those that
+independent acceptance at alpha gives: acceptance that is not independent from draft to draft lowers it) and a cost
+factor (the rest: a round's cost, idle rows, admissions and host time included, against k draft steps plus one
+target step); the host share: the part of the speculative run's wall time in which no round group ran on the
 device, split into the admissions (their CUDA-event spans: prefills, first tokens, state writes) and the rest (the
 device waiting for the host between groups). With --full-split the target and verification parts of a round are
 timed too (two more compiles per batch size), against the target-only round: Leviathan's formula takes the verify
@@ -392,8 +395,16 @@ def make_row(args, batch: int, read_every: int, result: dict, outs: dict) -> dic
     plain, spec = outs["plain"].metrics, outs["spec"].metrics
     alpha = spec.acceptance_rate
     c = result["spec"]["split"]["draft"] / k / result["plain"]["split"]["round"]
-    predicted = (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)) if alpha < 1 else (k + 1) / (k * c + 1)
+    # Tokens per round that independent acceptance at rate alpha gives; the formula is that over (k c + 1).
+    iid_emitted = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
+    predicted = iid_emitted / (k * c + 1)
     measured = spec.tokens_per_s / plain.tokens_per_s
+    # efficiency = acceptance_factor * cost_factor: how far the measured tokens per round fall short of
+    # independent acceptance at alpha, and how far a round's cost (idle rows, admissions and host time included)
+    # exceeds k draft steps plus one target step.
+    emitted = spec.mean_emitted_per_round
+    acceptance_factor = emitted / iid_emitted if emitted else None
+    cost_factor = measured * (k * c + 1) / emitted if emitted else None
     same = sum(a.token_ids == b.token_ids for a, b in zip(outs["spec"].requests, outs["plain"].requests))
     num_requests = batch * args.requests_per_slot
     return dict(batch=batch, requests=num_requests, read_every=read_every, method=spec_method(args),
@@ -406,7 +417,8 @@ def make_row(args, batch: int, read_every: int, result: dict, outs: dict) -> dic
                 occupancy=spec.row_rounds / (spec.rounds * batch) if spec.rounds else 0.0,
                 plain_admission_share=plain.admission_share, spec_wall_s=spec.wall_s, plain_wall_s=plain.wall_s,
                 mean_emitted_per_round=spec.mean_emitted_per_round, c=c, speedup=measured,
-                predicted_speedup=predicted, efficiency=measured / predicted, host_share=spec.host_share,
+                predicted_speedup=predicted, efficiency=measured / predicted,
+                acceptance_factor=acceptance_factor, cost_factor=cost_factor, host_share=spec.host_share,
                 plain_host_share=plain.host_share, split_ms=result["spec"]["split"],
                 plain_round_ms=result["plain"]["split"]["round"],
                 identical_requests=f"{same}/{num_requests}" if args.temperature == 0 else "-",
@@ -453,6 +465,11 @@ def markdown(doc) -> str:
     lines.append("rounds (speculative / target-only) and wall s: " + "; ".join(
         f"batch {r['batch']}: {r['rounds']} / {r['plain_rounds']} rounds, {r['spec_wall_s']:.3f} / "
         f"{r['plain_wall_s']:.3f} s, speculative row occupancy {r['occupancy']:.2f}, damping s = {r['damping']:.4g}"
+        for r in doc["rows"]))
+    lines.append("efficiency = acceptance factor (mean emitted / the tokens per round of independent acceptance at "
+                 "alpha) x cost factor (speedup x (k c + 1) / mean emitted): " + "; ".join(
+        f"batch {r['batch']}: {r['efficiency']:.2f} = {f(r.get('acceptance_factor'), '{:.3f}')} x "
+        f"{f(r.get('cost_factor'), '{:.3f}')}"
         for r in doc["rows"]))
     lines.append(f"total {doc['total_s']:.0f} s")
     return "\n".join(lines)
