@@ -455,7 +455,11 @@ class Tokenizer:
         return dict(self._tokenizer.get_vocab())
 
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
-        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """The text of ids, exactly: no clean-up of spaces before punctuation, which GGUF tokenizers ask for and
+        transformers before 5.7 applies ("Hello , world" would decode as "Hello, world"; 5.7 and later skip it
+        for BPE tokenizers), so the same ids give the same text on every release."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                      clean_up_tokenization_spaces=False)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         """The chat template rendered with a generation prompt; without a template, the contents joined."""
