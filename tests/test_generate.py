@@ -1047,9 +1047,9 @@ def test_command_stop_strings(target, draft, capsys, monkeypatch):
     assert document["requests"][0]["finish_reason"] == "stop"
 
 
-def save_tiny_checkpoint(path, *, layers: int, vocab: int = 64, seed: int = 0, word: str = "w"):
-    """A Llama checkpoint directory as transformers writes it (random weights) with a word-level tokenizer.json:
-    token i is the word f"{word}{i}", 1 the EOS."""
+def save_tiny_checkpoint(path, *, layers: int, vocab: int = 64, seed: int = 0, word: str = "w", context: int = 128):
+    """A Llama checkpoint directory as transformers writes it (random weights, max_position_embeddings = context)
+    with a word-level tokenizer.json: token i is the word f"{word}{i}", 1 the EOS."""
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
     words = {"<unk>": 0, "</s>": 1, **{f"{word}{i}": i for i in range(2, vocab)}}
@@ -1058,7 +1058,7 @@ def save_tiny_checkpoint(path, *, layers: int, vocab: int = 64, seed: int = 0, w
     backend.decoder = tokenizers.decoders.WordPiece(prefix="##")  # joins words with spaces
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
                                       eos_token_id=1, bos_token_id=None, tie_word_embeddings=False)
     torch.manual_seed(seed)
     transformers.LlamaForCausalLM(config).save_pretrained(path)
@@ -1095,6 +1095,39 @@ def test_command_with_checkpoint_directories(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--target", str(target), "--draft", str(draft), "--draft-layers", "1"])
     assert "--draft-layers makes the default draft" in capsys.readouterr().err
+
+
+def test_command_errors_name_the_flag_and_generation_stops_at_the_context(tmp_path, capsys):
+    import json
+    import shutil
+
+    from specdec_ops.generate import main
+
+    target = save_tiny_checkpoint(tmp_path / "target", layers=2, context=16)
+    quick = ["--max-new-tokens", "30", "--k", "2", "--draft-layers", "1"]
+    assert main(["--target", str(target), "--draft", str(tmp_path / "missing"), "--prompt", "w5"]) == 2
+    assert f"--draft: load_model: {tmp_path / 'missing'} does not exist" in capsys.readouterr().err
+    assert main(["--target", str(target), "--prompt-ids", "5,99999999999999999999"]) == 2
+    assert "--prompt-ids: token id 99999999999999999999 is outside the target's vocabulary of 64" in \
+        capsys.readouterr().err
+    # A prompt and --max-new-tokens past the model's 16 positions: the request ends at the context ("length",
+    # its last round's k positions included), unless its EOS comes first.
+    assert main(["--target", str(target), "--prompt", "w5 w6", "--json"] + quick) == 0
+    for entry in json.loads(capsys.readouterr().out)["requests"]:
+        assert len(entry["prompt_token_ids"]) + entry["num_tokens"] <= 16 - 2
+        assert entry["finish_reason"] == "length" or entry["token_ids"][-1] == 1
+    assert main(["--target", str(target), "--prompt", "w5", "--max-model-len", "64"] + quick) == 2
+    assert "max_model_len = 64 exceeds the target's context of 16 positions" in capsys.readouterr().err
+    # Token ids need no tokenizer; without --target-only the table has no column for it.
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(target, no_tokenizer)
+    (no_tokenizer / "tokenizer.json").unlink()
+    assert main(["--target", str(no_tokenizer), "--prompt-ids", "5,6", "--no-plain", "--max-new-tokens", "4",
+                 "--k", "2", "--draft-layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "### 5 6\n" in out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert table[0].split() == ["|", "|", "speculative", "|"] and all(line.count("|") == 3 for line in table)
 
 
 def test_command_streams_the_text_of_one_request(capsys, monkeypatch):
@@ -1139,6 +1172,9 @@ def test_command_streams_the_text_of_one_request(capsys, monkeypatch):
     (["--stop", ""], "a stop string must not be empty"),
     (["--target", "random", "--prompt-ids", "1", "--stop", "x"], "--stop needs a tokenizer"),
     (["--stream", "--json", "--prompt", "hi"], "--stream prints text as it is generated"),
+    (["--prompt-ids", "4,-1"], "expected token ids >= 0"),
+    (["--prompt", ""], "--prompt: a prompt must not be empty"),
+    (["--draft", "random"], "--draft random goes with --target random"),
 ])
 def test_command_refuses_bad_flags(argv, message, capsys):
     from specdec_ops.generate import main

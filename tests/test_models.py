@@ -473,6 +473,13 @@ def test_gguf_loader_errors(tmp_path):
     with pytest.raises(ValueError, match=r"token_embd.weight \(12, 8\) gives embed_tokens.weight shape \(12, 8\), "
                        r"the config expects \(11, 8\)"):
         load_model(write("shape.gguf", "llama", {"token_embd.weight": (12, 8)}))
+    # Files the gguf package cannot parse: an error naming the file, from the model and the tokenizer loader.
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "noise.gguf").write_bytes(bytes(range(256)) * 4)
+    for name in ("empty.gguf", "noise.gguf"):
+        for load in (load_model, load_tokenizer):
+            with pytest.raises(ValueError, match=f"{load.__name__}: .*{name} is not a readable GGUF file"):
+                load(tmp_path / name)
 
 
 LLAMA_32_1B_CONFIG = {  # config.json of Llama-3.2-1B (transformers 4 layout)

@@ -346,6 +346,16 @@ def config_from_gguf(reader, *, dtype: torch.dtype, source: str) -> LlamaConfig:
         architecture="Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM")
 
 
+def _gguf_reader(path: pathlib.Path, where: str):
+    """gguf.GGUFReader of path; a file it cannot parse (empty, truncated, not GGUF) raises a ValueError naming it."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError, TypeError) as error:
+        raise ValueError(f"{where}: {path} is not a readable GGUF file ({type(error).__name__}: {error})") from error
+
+
 def _load_gguf(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
     try:
         import gguf
@@ -353,7 +363,7 @@ def _load_gguf(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
         raise ImportError("load_model: reading GGUF files needs the `gguf` package (pip install gguf)") from error
     import numpy as np
 
-    reader = gguf.GGUFReader(str(path))
+    reader = _gguf_reader(path, "load_model")
     config = config_from_gguf(reader, dtype=_dtype(dtype or torch.float32, "load_model"), source=str(path))
     truncated = num_layers is not None
     if truncated:
@@ -475,9 +485,7 @@ def _gguf_tokenizer(hf_tokenizer, path: pathlib.Path) -> Tokenizer:
     file's: through AutoTokenizer, transformers before 5.6 converts SmolLM2's (a GPT-2 style BPE) as a Llama one,
     5 code-infill tokens added and a BOS put before every text, so prompts encode to other ids (load_tokenizer
     asks for the generic fast tokenizer instead, which those releases build right)."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
+    reader = _gguf_reader(path, "load_tokenizer")
     texts = _gguf_field(reader, "tokenizer.ggml.tokens")
     if texts is not None and len(hf_tokenizer) != len(texts):
         import transformers
@@ -510,6 +518,7 @@ def load_tokenizer(path) -> Tokenizer:
         # The generic class, not AutoTokenizer's pick by model type (see _gguf_tokenizer).
         from transformers import PreTrainedTokenizerFast
 
+        _gguf_reader(path, "load_tokenizer")  # a file that is not GGUF: an error naming it, before transformers'
         return _gguf_tokenizer(PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                        local_files_only=True), path)
     raise ValueError(f"load_tokenizer: {path} is neither a directory nor a .gguf file")

@@ -130,7 +130,8 @@ class GeneratorConfig:
         apply (the draft then samples with sample_draft_filtered, the target-only path too). False: requests
         must leave them off, and the draft and target-only sampling skip the filter passes.
     max_num_reqs: request slots (the largest batch).
-    max_model_len: the longest sequence (prompt + generated) the caches hold.
+    max_model_len: the longest sequence (prompt + generated) the caches hold; at most the models' context
+        (max_position_embeddings, where their config gives one).
     block_size: cache slots per KV block (both caches).
     batch_sizes: padded batch sizes, one graph each (default: powers of two up to max_num_reqs, and it).
     read_every: rounds per group: the host reads the device state once per group. The default, 2, measured best
@@ -310,6 +311,12 @@ class Generator:
         if config.max_model_len < k + 2:
             raise ValueError(f"Generator: max_model_len = {config.max_model_len} leaves no room for a prompt and "
                              f"a round of k = {k} (needs >= k + 2)")
+        for role, model in (("target", target), ("draft", draft)):
+            # Positions past a model's context are outside what it was trained on (rotary angles it never saw).
+            context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+            if context and config.max_model_len > context:
+                raise ValueError(f"Generator: max_model_len = {config.max_model_len} exceeds the {role}'s context "
+                                 f"of {context} positions (its max_position_embeddings)")
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"Generator: draft vocab_size {draft.vocab_size} != target vocab_size "
                              f"{target.vocab_size}")
