@@ -445,10 +445,9 @@ def main(argv=None) -> int:
     slots = args.max_batch or (max(args.batch_sizes) if args.batch_sizes else len(requests))
     block_size = 16
     needed = max(len(ids) for ids in prompt_ids) + args.max_new_tokens + args.k + 1
-    # At most the model's context: a request that would run past it ends there (finish reason "length").
-    context = min(c for c in (target.config.max_position_embeddings, draft.config.max_position_embeddings,
-                              2 ** 62) if c)
-    max_model_len = args.max_model_len or min(-(-needed // block_size) * block_size, context)
+    # At most the models' context: a request that would run past it ends there (finish reason "length").
+    contexts = [m.config.max_position_embeddings for m in (target, draft) if m.config.max_position_embeddings]
+    max_model_len = args.max_model_len or min([-(-needed // block_size) * block_size] + contexts)
     config = GeneratorConfig(num_speculative_tokens=args.k, method=method, max_num_reqs=slots,
                              max_model_len=max_model_len, block_size=block_size,
                              batch_sizes=args.batch_sizes or (slots,), read_every=args.read_every,

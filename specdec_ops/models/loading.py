@@ -478,14 +478,13 @@ class Tokenizer:
         return "\n".join(m["content"] for m in messages)
 
 
-def _gguf_tokenizer(hf_tokenizer, path: pathlib.Path) -> Tokenizer:
-    """The Tokenizer of a GGUF file from the one transformers built, with the file's own EOS and BOS ids, which
-    are also set on the transformers tokenizer, so that a directory it is saved to keeps them (transformers 5.0 to
-    at least 5.17 report SmolLM2's <|im_start|> as its EOS). Refuses a tokenizer of another vocabulary than the
-    file's: through AutoTokenizer, transformers before 5.6 converts SmolLM2's (a GPT-2 style BPE) as a Llama one,
-    5 code-infill tokens added and a BOS put before every text, so prompts encode to other ids (load_tokenizer
-    asks for the generic fast tokenizer instead, which those releases build right)."""
-    reader = _gguf_reader(path, "load_tokenizer")
+def _gguf_tokenizer(hf_tokenizer, path: pathlib.Path, reader) -> Tokenizer:
+    """The Tokenizer of a GGUF file (path, read by `reader`) from the one transformers built, with the file's own
+    EOS and BOS ids, which are also set on the transformers tokenizer, so that a directory it is saved to keeps
+    them (transformers 5.0 to at least 5.17 report SmolLM2's <|im_start|> as its EOS). Refuses a tokenizer of
+    another vocabulary than the file's: through AutoTokenizer, transformers before 5.6 converts SmolLM2's (a GPT-2
+    style BPE) as a Llama one, 5 code-infill tokens added and a BOS put before every text, so prompts encode to
+    other ids (load_tokenizer asks for the generic fast tokenizer instead, which those releases build right)."""
     texts = _gguf_field(reader, "tokenizer.ggml.tokens")
     if texts is not None and len(hf_tokenizer) != len(texts):
         import transformers
@@ -518,7 +517,7 @@ def load_tokenizer(path) -> Tokenizer:
         # The generic class, not AutoTokenizer's pick by model type (see _gguf_tokenizer).
         from transformers import PreTrainedTokenizerFast
 
-        _gguf_reader(path, "load_tokenizer")  # a file that is not GGUF: an error naming it, before transformers'
+        reader = _gguf_reader(path, "load_tokenizer")  # before transformers': an error naming the file
         return _gguf_tokenizer(PreTrainedTokenizerFast.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                       local_files_only=True), path)
+                                                                       local_files_only=True), path, reader)
     raise ValueError(f"load_tokenizer: {path} is neither a directory nor a .gguf file")
