@@ -213,7 +213,8 @@ def build_models(args, shapes: dict, dtype: torch.dtype, device: str, workdir: P
             num_hidden_layers=shapes["num_layers"], num_attention_heads=shapes["num_heads"],
             num_key_value_heads=shapes["num_kv_heads"], intermediate_size=shapes["intermediate_size"],
             rope_theta=shapes["rope_theta"], rms_norm_eps=shapes["rms_norm_eps"], tie_word_embeddings=True,
-            max_position_embeddings=4096, torch_dtype=dtype)
+            # The context the runs need at least (the Generator refuses a max_model_len past it).
+            max_position_embeddings=max(4096, _max_model_len(args)), torch_dtype=dtype)
         torch.manual_seed(0)
         with torch.device(device):  # initialized where it runs (a 1.2B model's CPU init takes long)
             hf = transformers.LlamaForCausalLM(hf_config).to(dtype=dtype).eval()
@@ -255,11 +256,16 @@ def build_models(args, shapes: dict, dtype: torch.dtype, device: str, workdir: P
 # --- runs ---------------------------------------------------------------------------------------------------
 
 
+def _max_model_len(args) -> int:
+    """Positions per request: the prompt, the new tokens and a round's k + 1, rounded up to a 16-slot block."""
+    return -(-(args.prompt_len + args.new_tokens + args.k + 1) // 16) * 16
+
+
 def our_run(target, draft, args, batch: int, prompts, device: str, compile: bool, damping: Damping,
             hf_damping: Damping | None):
     """Calibrates the damping on this batch's requests, then times target-only and speculative generation."""
     k = args.k
-    max_model_len = -(-(args.prompt_len + args.new_tokens + k + 1) // 16) * 16
+    max_model_len = _max_model_len(args)
     method = "greedy" if args.temperature == 0 else ("rejection" if args.method == "auto" else args.method)
     config = GeneratorConfig(num_speculative_tokens=k, method=method, max_num_reqs=batch,
                              max_model_len=max_model_len, block_size=16, batch_sizes=(batch,),

@@ -26,7 +26,8 @@ from dataclasses import asdict
 
 import torch
 
-from .runtime.generator import LOGPROB_MODES, MAX_EOS_TOKEN_IDS, METHODS, Generator, GeneratorConfig, Request
+from .runtime.generator import (LOGPROB_MODES, MAX_EOS_TOKEN_IDS, METHODS, Generator, GeneratorConfig, Request,
+                                model_context)
 
 # The default draft: SmolLM2-135M's first 24 of 30 layers with its final norm and head (an early exit; no trained
 # draft ships with the package). Measured teacher-forced greedy agreement with the full model over 40 generated
@@ -98,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; default: three built-in prompts)")
     p.add_argument("--prompt-ids", action="append", type=_ids, help="a prompt as comma-separated token ids")
     p.add_argument("--max-new-tokens", type=_positive_int, default=32,
-                   help="tokens to generate per prompt at most (default 32; also stops at EOS and at the model's "
-                   "context)")
+                   help="tokens to generate per prompt at most (default 32; also stops at EOS and k positions "
+                   "before the end of the model's context)")
     p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=_top_k, default=0, help="keep the k most probable tokens (0 = off, default)")
     p.add_argument("--top-p", type=_top_p, default=1.0,
@@ -188,7 +189,7 @@ def _filters_on(args) -> bool:
 
 
 class _IdsTokenizer:
-    """Token ids as text, for the random-weight model."""
+    """Token ids as text: the random-weight model's, and a checkpoint's without a tokenizer (--prompt-ids)."""
 
     eos_token_id = None
 
@@ -446,7 +447,7 @@ def main(argv=None) -> int:
     block_size = 16
     needed = max(len(ids) for ids in prompt_ids) + args.max_new_tokens + args.k + 1
     # At most the models' context: a request that would run past it ends there (finish reason "length").
-    contexts = [m.config.max_position_embeddings for m in (target, draft) if m.config.max_position_embeddings]
+    contexts = [c for c in (model_context(target), model_context(draft)) if c]
     max_model_len = args.max_model_len or min([-(-needed // block_size) * block_size] + contexts)
     config = GeneratorConfig(num_speculative_tokens=args.k, method=method, max_num_reqs=slots,
                              max_model_len=max_model_len, block_size=block_size,

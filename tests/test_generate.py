@@ -1118,7 +1118,7 @@ def test_command_errors_name_the_flag_and_generation_stops_at_the_context(tmp_pa
         assert entry["finish_reason"] == "length" or entry["token_ids"][-1] == 1
     assert main(["--target", str(target), "--prompt", "w5", "--max-model-len", "64"] + quick) == 2
     assert "max_model_len = 64 exceeds the target's context of 16 positions" in capsys.readouterr().err
-    # Token ids need no tokenizer; without --target-only the table has no column for it.
+    # Token ids need no tokenizer; with --no-plain the table has no target-only column.
     no_tokenizer = tmp_path / "no_tokenizer"
     shutil.copytree(target, no_tokenizer)
     (no_tokenizer / "tokenizer.json").unlink()

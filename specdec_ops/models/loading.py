@@ -465,9 +465,10 @@ class Tokenizer:
         return dict(self._tokenizer.get_vocab())
 
     def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
-        """The text of ids, exactly: no clean-up of spaces before punctuation, which GGUF tokenizers ask for and
-        transformers before 5.7 applies ("Hello , world" would decode as "Hello, world"; 5.7 and later skip it
-        for BPE tokenizers), so the same ids give the same text on every release."""
+        """The text of ids, exactly: no clean-up of spaces before punctuation, for every tokenizer, also one whose
+        config asks for it (GGUF tokenizers do, and transformers before 5.7 applies it: "Hello , world" would
+        decode as "Hello, world"; 5.7 and later skip it for BPE tokenizers), so the same ids give the same text on
+        every release."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
                                       clean_up_tokenization_spaces=False)
 

@@ -264,6 +264,11 @@ class _Prepared(NamedTuple):
     min_p: float = 0.0
 
 
+def model_context(model) -> int | None:
+    """The positions a model was trained for (its config's max_position_embeddings); None where it states none."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None) or None
+
+
 def _pick(sizes: list[int], n: int) -> int:
     for size in sizes:
         if size >= n:
@@ -313,7 +318,7 @@ class Generator:
                              f"a round of k = {k} (needs >= k + 2)")
         for role, model in (("target", target), ("draft", draft)):
             # Positions past a model's context are outside what it was trained on (rotary angles it never saw).
-            context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+            context = model_context(model)
             if context and config.max_model_len > context:
                 raise ValueError(f"Generator: max_model_len = {config.max_model_len} exceeds the {role}'s context "
                                  f"of {context} positions (its max_position_embeddings)")
