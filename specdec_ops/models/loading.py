@@ -347,9 +347,12 @@ def config_from_gguf(reader, *, dtype: torch.dtype, source: str) -> LlamaConfig:
 
 
 def _gguf_reader(path: pathlib.Path, where: str):
-    """gguf.GGUFReader of path; a file it cannot parse (empty, truncated, not GGUF) raises a ValueError naming it."""
-    import gguf
-
+    """gguf.GGUFReader of path; a file it cannot parse (empty, truncated, not GGUF) raises a ValueError naming it,
+    a missing `gguf` package an ImportError saying how to install it."""
+    try:
+        import gguf
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(f"{where}: reading GGUF files needs the `gguf` package (pip install gguf)") from error
     try:
         return gguf.GGUFReader(str(path))
     except (ValueError, OSError, IndexError, KeyError, TypeError) as error:
@@ -357,13 +360,10 @@ def _gguf_reader(path: pathlib.Path, where: str):
 
 
 def _load_gguf(path: pathlib.Path, dtype, device, num_layers) -> LlamaModel:
-    try:
-        import gguf
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError("load_model: reading GGUF files needs the `gguf` package (pip install gguf)") from error
+    reader = _gguf_reader(path, "load_model")
+    import gguf
     import numpy as np
 
-    reader = _gguf_reader(path, "load_model")
     config = config_from_gguf(reader, dtype=_dtype(dtype or torch.float32, "load_model"), source=str(path))
     truncated = num_layers is not None
     if truncated:
