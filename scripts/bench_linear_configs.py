@@ -110,7 +110,8 @@ def sweep_linear(rows_list, names):
 ATTENTION_SHAPES = [(1, 1, 512), (1, 5, 512), (8, 1, 512), (8, 5, 512), (32, 1, 4096), (32, 5, 4096),
                     (128, 1, 4096)]
 # (block_n, num_stages, target_programs): context positions per loop step, pipelining depth, and the program count
-# below which the context is split (attention.launch_plan's defaults are 64, 3 and 512).
+# below which the context is split (attention.launch_plan's defaults: 64 and 3 for decode steps, 128 and 2 for
+# verify steps, 512).
 ATTENTION_TILINGS = [(64, 3, 512), (64, 4, 512), (64, 3, 1024), (64, 2, 2048), (128, 3, 512), (128, 4, 512),
                      (128, 3, 1024), (128, 2, 2048), (32, 3, 512)]
 

@@ -119,6 +119,17 @@ def test_other_launch_plans_match_the_reference(block_n, num_stages, target_prog
         assert (got[live:] == 0).all()
 
 
+def test_verify_steps_take_the_longer_context_step():
+    # Decode layouts keep 64 positions per loop step and 3 stages; uniform verify layouts take 128 and 2 (their
+    # kernels are the ones the verify tests above run).
+    decode = launch_plan(8, 32, 8, 64, 4096, 1)
+    verify = launch_plan(40, 32, 8, 64, 4096, 5)
+    assert (decode["block_n"], decode["num_stages"]) == (64, 3)
+    assert (verify["block_n"], verify["num_stages"]) == (128, 2)
+    assert launch_plan(40, 32, 8, 64, 4096, 0)["block_n"] == 64  # ragged batches (prefill) keep the default
+    assert launch_plan(40, 32, 8, 256, 4096, 5)["block_n"] == 32  # wide heads keep the narrow step
+
+
 def test_tokens_of_one_row_need_not_be_contiguous():
     # The kernel reads each token's row from token_rows; a tile holding tokens of several rows still works.
     batch, live = make_batch(query_lens=[3, 4], context_lens=[10, 20], heads=4, kv_heads=2, head_size=16,

@@ -46,6 +46,11 @@ MIN_SPLIT_LEN = 64
 MAX_TILE_ROWS = 128
 # Software-pipelining depth of the context loop (Triton's default on CUDA).
 NUM_STAGES = 3
+# Verify steps (a uniform layout of several tokens per request) read 128 context positions per loop step, two
+# stages deep: the 1B-shaped target's verify step at batch 8 measured 1.469 ms against 1.526 at context 512 and
+# 1.790 against 1.903 at 4096 (H200, 2026-12-02, benchmarks/RESULTS.md). Decode steps keep 64 and NUM_STAGES.
+VERIFY_BLOCK_N = 128
+VERIFY_NUM_STAGES = 2
 
 
 def _check_inputs(q, kv_cache, block_tables, token_rows, positions, seq_lens, block_size):
@@ -255,11 +260,12 @@ def _next_power_of_2(n: int) -> int:
 
 
 def launch_plan(num_tokens: int, num_heads: int, kv_heads: int, head_size: int, context_len: int,
-                uniform_query_len: int, *, block_n: int | None = None, num_stages: int = NUM_STAGES,
+                uniform_query_len: int, *, block_n: int | None = None, num_stages: int | None = None,
                 target_programs: int = TARGET_PROGRAMS) -> dict:
     """Static tiling of one launch (from shapes only, so traced graphs stay static). block_n (context positions
     per loop step), num_stages and target_programs replace the defaults (scripts/bench_linear_configs.py
     --attention sweeps them)."""
+    verify = uniform_query_len > 1
     group = num_heads // kv_heads
     if 0 < uniform_query_len and uniform_query_len * group <= MAX_TILE_ROWS:
         tile_tokens = uniform_query_len  # one request row per tile
@@ -268,7 +274,9 @@ def launch_plan(num_tokens: int, num_heads: int, kv_heads: int, head_size: int, 
     block_m = max(16, _next_power_of_2(tile_tokens * group))
     block_d = max(16, _next_power_of_2(head_size))
     if block_n is None:
-        block_n = 64 if block_d <= 128 else 32
+        block_n = (VERIFY_BLOCK_N if verify else 64) if block_d <= 128 else 32
+    if num_stages is None:
+        num_stages = VERIFY_NUM_STAGES if verify and block_d <= 128 else NUM_STAGES
     tiles = -(-num_tokens // tile_tokens)
     programs = max(1, tiles * kv_heads)
     splits = 1
