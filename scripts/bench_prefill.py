@@ -39,9 +39,9 @@ def captured_forward(model, tokens: int, plain: bool):
                                  torch.zeros(tokens, dtype=torch.int64, device="cuda"), positions + 1, BLOCK_SIZE)
     ids = torch.randint(0, model.vocab_size, (tokens,), device="cuda",
                         generator=torch.Generator("cuda").manual_seed(0))
-    original = elementwise.runs_prefill_kernels
+    original = elementwise.runs_elementwise_kernels
     if plain:
-        elementwise.runs_prefill_kernels = lambda x: False
+        elementwise.runs_elementwise_kernels = lambda x: False
     try:
         with torch.no_grad():
             stream = torch.cuda.Stream()
@@ -53,7 +53,7 @@ def captured_forward(model, tokens: int, plain: bool):
             with torch.cuda.graph(graph):
                 out = model(ids, positions, metadata)
     finally:
-        elementwise.runs_prefill_kernels = original
+        elementwise.runs_elementwise_kernels = original
     return graph, out
 
 

@@ -13,8 +13,8 @@ projection kernels (RMSNorm in the prologue of q/k/v and of gate/up, silu(gate) 
 the epilogues, `linear.fused_linear`) and one kernel for the rotary embedding of q and k and the cache write
 of k and v (`attention.rope_write_kv`), in place of about a dozen kernels.
 
-For more than 16 tokens of such a model in an eager forward (prompt prefills; `elementwise.runs_prefill_kernels`
-decides) the four projections stay cuBLAS GEMMs and the work between them runs in Triton kernels
+For more than 16 tokens of such a model (prompt prefills, and the rounds' larger verify and decode steps;
+`elementwise.runs_elementwise_kernels` decides) the four projections stay cuBLAS GEMMs and the work between them runs in Triton kernels
 (`elementwise.py`): RMSNorm with the residual add before it (`add_rms_norm`: the add after attention folds into
 the post-attention norm, the add after the MLP into the next layer's input norm or the model's final norm),
 silu(gate) * up, and with a paged cache the same rotary + cache-write kernel. A layer is then the 4 GEMMs, 2 norm
@@ -22,8 +22,8 @@ kernels, the rotary + cache write, silu(gate) * up and attention (1 kernel, or 2
 10 kernels, where the plain code launches 47 or 48 (eight per norm, ten per rotary of q and of k, two for the
 cache write, one per residual add, two for silu and the product; the final norm: one kernel in place of eight).
 
-Everything else (CPU, float32 and float64 models; compiled forwards of more than 16 tokens, whose elementwise
-work inductor fuses; the rotary of the cache-free dense path) runs the plain code below, which is also the
+Everything else (CPU, float32 and float64 models; the rotary of the cache-free dense path) runs the plain code
+below, which is also the
 statement of what both fused paths compute.
 
 It follows the model interface of specdec_ops/models/interface.py: ``vocab_size``, ``kv_cache_spec()``,
@@ -263,9 +263,9 @@ class DecoderLayer(nn.Module):
         return _linear.fused_linear(act, self.down_proj.weight, residual=x)
 
     def forward_deferred_residual(self, x, residual, cos, sin, positions, metadata, backend):
-        """The plain forward's math with its elementwise work in Triton kernels (`elementwise.runs_prefill_kernels`:
-        an eager forward of many tokens of a half-precision CUDA model) and each residual add folded into the norm
-        after it.
+        """The plain forward's math with its elementwise work in Triton kernels
+        (`elementwise.runs_elementwise_kernels`: a forward of many tokens of a half-precision CUDA model) and each
+        residual add folded into the norm after it.
 
         The layer's input is x + residual: x [T, hidden] the previous layer's MLP output, residual [T, hidden]
         the residual stream it adds to (None for the first layer, whose x is the embedding). Returns
@@ -359,7 +359,7 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids.long().clamp(0, self.vocab_size - 1))
         angles = positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
         cos, sin = angles.cos(), angles.sin()
-        if _elementwise.runs_prefill_kernels(x):
+        if _elementwise.runs_elementwise_kernels(x):
             residual = None
             for layer in self.layers:
                 x, residual = layer.forward_deferred_residual(x, residual, cos, sin, positions, attn_metadata,
