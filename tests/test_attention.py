@@ -127,6 +127,7 @@ def test_verify_steps_take_the_longer_context_step():
     assert (decode["block_n"], decode["num_stages"]) == (64, 3)
     assert (verify["block_n"], verify["num_stages"]) == (128, 2)
     assert launch_plan(40, 32, 8, 64, 4096, 0)["block_n"] == 64  # ragged batches (prefill) keep the default
+    assert launch_plan(80, 32, 8, 64, 4096, 40)["block_n"] == 64  # so do rows too long for one tile
     assert launch_plan(40, 32, 8, 256, 4096, 5)["block_n"] == 32  # wide heads keep the narrow step
 
 

@@ -11,8 +11,8 @@ dispatch forced on: through the ops' CPU paths (the references) bit-identical to
 float16, paged and dense, and traceable fullgraph; through the Triton kernels within 1e-5 in float32 (logits and
 cache).
 CUDA: the kernels against the references in bfloat16 and float16 (two ulps, 99 % bit-identical) and float32, and
-a bf16 ragged prefill through the new path, eager and captured in a CUDA graph (compiled, the model keeps the
-plain code), against the plain bf16 path and a float32 copy.
+a bf16 ragged prefill through the new path, eager, captured in a CUDA graph and compiled (as the rounds' steps of
+more than 16 tokens run), against the plain bf16 path and a float32 copy.
 """
 import dataclasses
 import types
@@ -232,7 +232,7 @@ def test_prefill_path_through_references_equals_plain_path(dtype, monkeypatch):
     assert torch.equal(model(dense_ids, dense_positions), want_dense)
     assert len(calls) == 2 * model.config.num_layers
     # 16 tokens keep the layer's own forward under the forced dispatch (the real dispatch's 16-token threshold is
-    # test_prefill_kernels_only_for_many_half_precision_cuda_rows_eagerly's).
+    # test_elementwise_kernels_only_for_many_half_precision_cuda_rows's).
     model(ids[:16], positions[:16], metadata._replace(kv_caches=tuple(c.clone() for c in caches),
                                                       slot_mapping=metadata.slot_mapping[:16],
                                                       token_rows=metadata.token_rows[:16],

@@ -192,8 +192,8 @@ def test_dependent_launch_only_on_cuda():
 def test_cuda_dependent_launch_changes_no_bit(rows, query_len, monkeypatch):
     """The same compiled bf16 step captured twice, with programmatic dependent launch (the default on Hopper) and
     with SPECDEC_PDL=0: identical logits and caches over several replays (where a missing wait may show as a
-    race). 2 x 24 tokens: a compiled step of more than 16 tokens (the plain code, fused by inductor, around the
-    paged-attention kernel; the eager prefill's elementwise kernels are tested in test_models_elementwise.py)."""
+    race). 2 x 24 tokens: a compiled step of more than 16 tokens (cuBLAS projections, the elementwise kernels of
+    elementwise.py and the paged-attention kernel)."""
     from specdec_ops.models import dependent_launch
     config = LlamaConfig(vocab_size=2048, hidden_size=1024, num_layers=3, num_heads=16, num_kv_heads=4,
                          intermediate_size=4096, tie_word_embeddings=True, dtype=torch.bfloat16)

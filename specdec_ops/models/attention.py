@@ -46,8 +46,8 @@ MIN_SPLIT_LEN = 64
 MAX_TILE_ROWS = 128
 # Software-pipelining depth of the context loop (Triton's default on CUDA).
 NUM_STAGES = 3
-# Verify steps (a uniform layout of several tokens per request) read 128 context positions per loop step, two
-# stages deep: the 1B-shaped target's verify step at batch 8 measured 1.469 ms against 1.526 at context 512 and
+# Verify steps (a uniform layout of several tokens per request, one request per tile) read 128 context positions
+# per loop step, two stages deep: the 1B-shaped target's verify step at batch 8 measured 1.469 ms against 1.526 at context 512 and
 # 1.790 against 1.903 at 4096 (H200, 2026-12-02, benchmarks/RESULTS.md). Decode steps keep 64 and NUM_STAGES.
 VERIFY_BLOCK_N = 128
 VERIFY_NUM_STAGES = 2
@@ -265,9 +265,10 @@ def launch_plan(num_tokens: int, num_heads: int, kv_heads: int, head_size: int, 
     """Static tiling of one launch (from shapes only, so traced graphs stay static). block_n (context positions
     per loop step), num_stages and target_programs replace the defaults (scripts/bench_linear_configs.py
     --attention sweeps them)."""
-    verify = uniform_query_len > 1
     group = num_heads // kv_heads
-    if 0 < uniform_query_len and uniform_query_len * group <= MAX_TILE_ROWS:
+    one_row_tiles = 0 < uniform_query_len and uniform_query_len * group <= MAX_TILE_ROWS
+    verify = one_row_tiles and uniform_query_len > 1  # the measured verify tiling: one request's tokens per tile
+    if one_row_tiles:
         tile_tokens = uniform_query_len  # one request row per tile
     else:
         tile_tokens = max(1, 64 // _next_power_of_2(group))

@@ -19,8 +19,8 @@ correctly rounded division, so that it rounds as PyTorch does; the interpreter h
 
 `torch.ops.specdec_models.rms_norm`, `.add_rms_norm` and `.silu_mul` are `torch.library.custom_op`s with fake
 kernels (torch.compile(fullgraph=True) traces each as one node, and CUDA graphs capture the launch): the Triton
-kernels on CUDA for float32/float16/bfloat16, the references elsewhere. Each program waits for the kernel before it (dependent launch on Hopper, dependent_launch.py), like the
-rotary + KV-write kernel it runs beside.
+kernels on CUDA for float32/float16/bfloat16, the references elsewhere. Each program waits for the kernel before
+it (dependent launch on Hopper, dependent_launch.py), like the rotary + KV-write kernel it runs beside.
 
 `runs_elementwise_kernels(x)` is where the model decides to run these (and, with a paged cache of the model's
 dtype, `attention.rope_write_kv` for the rotary and the cache write) instead of the plain code: a float16/bfloat16
