@@ -899,6 +899,42 @@ def test_cuda_rounds_do_not_sync():
 
 
 @pytest.mark.cuda
+def test_cuda_bf16_rounds_of_more_than_16_tokens_take_the_elementwise_kernels_without_sync(monkeypatch):
+    """bf16 models, 8 slots, k = 3: the round's verify forward has 32 tokens, so the compiled round runs the
+    layers' elementwise kernels (elementwise.py) around cuBLAS; its graph replays with no host sync and every
+    request's first token (from the shared prefill path) equals target-only generation's. bf16 verify and decode
+    round differently, so later tokens are only checked to be in the vocabulary."""
+    from conftest import sync_forbidden
+    from specdec_ops.models import llama as llama_mod
+
+    traced = []
+    original = llama_mod.DecoderLayer.forward_deferred_residual
+    monkeypatch.setattr(llama_mod.DecoderLayer, "forward_deferred_residual",
+                        lambda self, *a: traced.append(torch.compiler.is_compiling()) or original(self, *a))
+    config = dataclasses.replace(CONFIG, dtype=torch.bfloat16)
+    target = damped_target(config, seed=1, keep_layers=1, scale=0.3, device="cuda")
+    draft = prefix_draft(target, 1)
+    generator = Generator(target, draft, small_config(3, max_num_reqs=8, batch_sizes=(8,)), device="cuda")
+    generator.warm_up()
+    assert any(traced), "the compiled round's 32-token verify forward did not take the elementwise kernels"
+    requests = [Request([3 + i] * (2 + 2 * i), 12) for i in range(8)]
+    prepared = [generator._prepare(i, r) for i, r in enumerate(requests)]
+    torch.cuda.synchronize()
+    with sync_forbidden():
+        generator._admit(list(range(8)), prepared)
+        for _ in range(4):
+            generator.runner.run(8)
+    torch.cuda.synchronize()
+    plain = Generator(target, None, small_config(3, max_num_reqs=8, batch_sizes=(8,)), device="cuda")
+    want = plain.generate(requests).requests
+    for slot, request in enumerate(requests):
+        length = int(generator.length[slot])
+        got = generator.tokens_2d[slot, len(request.prompt_ids):length].tolist()
+        assert len(got) > 4 and got[0] == want[slot].token_ids[0], f"slot {slot}"
+        assert all(0 <= token < config.vocab_size for token in got)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("method", ["rejection", "block"])
 def test_cuda_filtered_sampling_one_graph_no_recompiles_no_sync(method):
     from conftest import sync_forbidden
