@@ -47,8 +47,9 @@ MAX_TILE_ROWS = 128
 # Software-pipelining depth of the context loop (Triton's default on CUDA).
 NUM_STAGES = 3
 # Verify steps (a uniform layout of several tokens per request, one request per tile) read 128 context positions
-# per loop step, two stages deep: the 1B-shaped target's verify step at batch 8 measured 1.469 ms against 1.526 at context 512 and
-# 1.790 against 1.903 at 4096 (H200, 2026-12-02, benchmarks/RESULTS.md). Decode steps keep 64 and NUM_STAGES.
+# per loop step, two stages deep: the 1B-shaped target's verify step at batch 8 measured 1.469 ms against 1.526
+# at context 512 and 1.790 against 1.903 at 4096 (H200, 2026-12-02, benchmarks/RESULTS.md). Decode steps keep 64
+# and NUM_STAGES.
 VERIFY_BLOCK_N = 128
 VERIFY_NUM_STAGES = 2
 
