@@ -16,12 +16,12 @@ of k and v (`attention.rope_write_kv`), in place of about a dozen kernels.
 For more than 16 tokens of such a model (prompt prefills, and the rounds' larger verify and decode steps;
 `elementwise.runs_elementwise_kernels` decides) the four projections stay cuBLAS GEMMs and the work between them
 runs in Triton kernels (`elementwise.py`): RMSNorm with the residual add before it (`add_rms_norm`: the add after
-attention folds into the post-attention norm, the add after the MLP into the next layer's input norm or the
-model's final norm),
-silu(gate) * up, and with a paged cache the same rotary + cache-write kernel. A layer is then the 4 GEMMs, 2 norm
-kernels, the rotary + cache write, silu(gate) * up and attention (1 kernel, or 2 when the context is split): 9 or
-10 kernels, where the plain code launches 47 or 48 (eight per norm, ten per rotary of q and of k, two for the
-cache write, one per residual add, two for silu and the product; the final norm: one kernel in place of eight).
+attention folds into the post-attention norm, the add after the MLP into the next layer's input norm or the model's
+final norm), silu(gate) * up, and with a paged cache the same rotary + cache-write kernel. A layer is then the 4
+GEMMs, 2 norm kernels, the rotary + cache write, silu(gate) * up and attention (1 kernel, or 2 when the context is
+split): 9 or 10 kernels, where the plain code launches 47 or 48 (eight per norm, ten per rotary of q and of k, two
+for the cache write, one per residual add, two for silu and the product; the final norm: one kernel in place of
+eight).
 
 Everything else (CPU, float32 and float64 models; the rotary of the cache-free dense path) runs the plain code
 below, which is also the statement of what both fused paths compute.
