@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pathlib
 import sys
 from dataclasses import asdict
 
@@ -259,8 +260,6 @@ def _flagged(flag: str, load, *args, **kwargs):
 
 def _lacks_tokenizer(path) -> bool:
     """A checkpoint directory without tokenizer.json (a GGUF file always carries its tokenizer)."""
-    import pathlib
-
     path = pathlib.Path(path)
     return path.is_dir() and not (path / "tokenizer.json").is_file()
 
@@ -268,8 +267,6 @@ def _lacks_tokenizer(path) -> bool:
 def _check_same_tokenizer(tokenizer, draft_path) -> None:
     """Refuses a draft checkpoint whose tokenizer maps a token to another id than the target's (same vocabulary
     size or not, its drafts would be other tokens); a draft without a tokenizer of its own is taken as it is."""
-    import pathlib
-
     from .models import load_tokenizer
 
     if _lacks_tokenizer(draft_path):
