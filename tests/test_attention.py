@@ -105,11 +105,12 @@ def test_batch_one_takes_the_most_splits_and_empty_splits_combine():
                                                                       (16, 3, 1, False)])
 def test_other_launch_plans_match_the_reference(block_n, num_stages, target_programs, split):
     # The tilings a benchmark sweeps (a plan passed in): other context steps, pipelining depths and split counts
-    # compute the same attention, for decode rows and for a uniform verify batch.
-    for query_lens, context_lens in (([1, 1, 1], [700, 5, 130]), ([5, 5], [37, 260])):
+    # compute the same attention, for decode rows, a uniform verify batch and a ragged (prefill) batch.
+    for query_lens, context_lens, uniform in (([1, 1, 1], [700, 5, 130], 1), ([5, 5], [37, 260], 5),
+                                              ([9, 3, 14], [9, 300, 40], 0)):
         batch, live = make_batch(query_lens=query_lens, context_lens=context_lens, heads=4, kv_heads=2,
                                  head_size=16, block_size=16, blocks_per_row=48, num_pad_tokens=2)
-        tokens, uniform = batch["q"].shape[0], query_lens[0]
+        tokens = batch["q"].shape[0]
         plan = launch_plan(tokens, 4, 2, 16, 48 * 16, uniform, block_n=block_n, num_stages=num_stages,
                            target_programs=target_programs)
         assert plan["block_n"] == block_n and (plan["splits"] > 1) == split

@@ -28,9 +28,12 @@ def rope_inputs(tokens, heads, kv_heads, d, slots, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.float16, 0.0)])
-@pytest.mark.parametrize("tokens,heads,kv_heads,d", [(1, 8, 2, 64), (5, 4, 4, 24), (3, 6, 2, 10)])
+# More than attention.ROPE_ONE_HEAD_TOKENS tokens take several heads per program: (20, 6, 2, 10) has 10 heads, so
+# its second program per token holds 2 heads and 6 masked ones.
+@pytest.mark.parametrize("tokens,heads,kv_heads,d", [(1, 8, 2, 64), (5, 4, 4, 24), (3, 6, 2, 10), (20, 6, 2, 10),
+                                                     (17, 32, 8, 64), (33, 4, 1, 8)])
 def test_rope_write_kv_matches_reference(dtype, atol, tokens, heads, kv_heads, d):
-    qkv, cos, sin, cache, slots = rope_inputs(tokens, heads, kv_heads, d, 40, dtype)
+    qkv, cos, sin, cache, slots = rope_inputs(tokens, heads, kv_heads, d, 80, dtype)
     want_cache = cache.clone()
     want = rope_write_kv_reference(qkv, cos, sin, want_cache, slots, heads, kv_heads)
     got = rope_write_kv_triton(qkv, cos, sin, cache, slots, heads, kv_heads)
@@ -39,17 +42,32 @@ def test_rope_write_kv_matches_reference(dtype, atol, tokens, heads, kv_heads, d
     torch.testing.assert_close(cache, want_cache, atol=atol, rtol=0)
 
 
-def test_rope_write_kv_skips_slots_outside_the_cache():
-    qkv, cos, sin, cache, _ = rope_inputs(4, 4, 2, 16, 8, torch.float32, seed=1)
-    slots = torch.tensor([3, -1, 8, 10 ** 9])
+@pytest.mark.parametrize("tokens", [4, 20])  # one head per program, several heads per program
+def test_rope_write_kv_skips_slots_outside_the_cache(tokens):
+    qkv, cos, sin, cache, _ = rope_inputs(tokens, 4, 2, 16, 8, torch.float32, seed=1)
+    slots = torch.tensor([3, -1, 8, 10 ** 9] + [-5] * (tokens - 4))
     before = cache.clone()
     want_cache = cache.clone()
     rope_write_kv_reference(qkv[:1], cos[:1], sin[:1], want_cache, slots[:1], 4, 2)
     q = rope_write_kv_triton(qkv, cos, sin, cache, slots, 4, 2)
     torch.testing.assert_close(cache, want_cache, atol=1e-6, rtol=0)
     assert torch.equal(cache[torch.arange(8) != 3], before[torch.arange(8) != 3])
-    torch.testing.assert_close(q, rope_write_kv_reference(qkv, cos, sin, before.clone(), torch.zeros(4).long(), 4, 2))
+    torch.testing.assert_close(q, rope_write_kv_reference(qkv, cos, sin, before.clone(), torch.zeros(tokens).long(),
+                                                          4, 2))
 
+
+@pytest.mark.parametrize("tokens,heads,kv_heads,d", [(3, 8, 2, 64), (20, 6, 2, 10), (5, 2, 1, 14), (33, 4, 1, 8)])
+def test_rope_write_kv_head_blocks_equal_single_heads(monkeypatch, tokens, heads, kv_heads, d):
+    # Several heads per program compute what one head per program does, bit for bit, whatever the token count:
+    # (5, 2, 1, 14) has 4 heads in all, a block of 4; (20, 6, 2, 10) a second block of 2 heads and 6 masked ones.
+    results = []
+    for one_head_tokens in (10 ** 9, 0):
+        monkeypatch.setattr(attention_mod, "ROPE_ONE_HEAD_TOKENS", one_head_tokens)
+        qkv, cos, sin, cache, slots = rope_inputs(tokens, heads, kv_heads, d, 80, torch.float16, seed=2)
+        slots[::4] = -1  # outside the cache: not written
+        results.append((rope_write_kv_triton(qkv, cos, sin, cache, slots, heads, kv_heads), cache))
+    (q_one, cache_one), (q_block, cache_block) = results
+    assert torch.equal(q_one, q_block) and torch.equal(cache_one, cache_block)
 
 def test_rope_write_kv_bad_inputs_raise():
     qkv, cos, sin, cache, slots = rope_inputs(2, 4, 2, 16, 8, torch.float32)
