@@ -426,6 +426,9 @@ def make_row(args, batch: int, read_every: int, result: dict, outs: dict) -> dic
                 predicted_speedup=predicted, efficiency=measured / predicted,
                 acceptance_factor=acceptance_factor, cost_factor=cost_factor, host_share=spec.host_share,
                 plain_host_share=plain.host_share, split_ms=result["spec"]["split"],
+                # host time inside the round groups' launches / wall: near the rounds' device share when the
+                # launches block (the host then cannot run ahead of the device)
+                launch_share=spec.launch_s / spec.wall_s if spec.wall_s else 0.0,
                 plain_round_ms=result["plain"]["split"]["round"],
                 identical_requests=f"{same}/{num_requests}" if args.temperature == 0 else "-",
                 warm_up_s=result["spec"]["warm_up_s"] + result["plain"]["warm_up_s"])
@@ -470,7 +473,8 @@ def markdown(doc) -> str:
         + f", target-only round {r['plain_round_ms']:.3f}" for r in doc["rows"]))
     lines.append("rounds (speculative / target-only) and wall s: " + "; ".join(
         f"batch {r['batch']}: {r['rounds']} / {r['plain_rounds']} rounds, {r['spec_wall_s']:.3f} / "
-        f"{r['plain_wall_s']:.3f} s, speculative row occupancy {r['occupancy']:.2f}, damping s = {r['damping']:.4g}"
+        f"{r['plain_wall_s']:.3f} s, speculative row occupancy {r['occupancy']:.2f}, damping s = {r['damping']:.4g}, "
+        f"host time in round launches {f(r.get('launch_share'), '{:.1%}')} of wall"
         for r in doc["rows"]))
     lines.append("efficiency = acceptance factor (mean emitted / the tokens per round of independent acceptance at "
                  "alpha) x cost factor (speedup x (k c + 1) / mean emitted): " + "; ".join(

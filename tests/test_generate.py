@@ -451,6 +451,7 @@ def test_target_only_runs_no_round_past_the_last_token(target):
         assert len(out.requests[0].token_ids) == 17
         assert out.metrics.rounds == 16 and out.metrics.row_rounds == 16
         assert 0.0 <= out.metrics.admission_share <= out.metrics.host_share <= 1.0
+        assert 0.0 < out.metrics.launch_s < out.metrics.wall_s  # the rounds' calls, inside the call's wall time
 
 
 def test_typical_acceptance_runs_and_stops(target, draft):

@@ -216,7 +216,9 @@ class GenerationMetrics:
     """What one `Generator.generate` call measured.
 
     generated_tokens: all requests' generated tokens. wall_s: the call's wall time (warm-up excluded);
-    prefill_s: host time spent queuing admissions (the prefills run on the device meanwhile); tokens_per_s =
+    prefill_s: host time spent queuing admissions (the prefills run on the device meanwhile); launch_s: host time
+    spent queuing the round groups (graph replays on CUDA; a launch_s close to the groups' device time means the
+    launches wait for the device, so the host cannot run ahead of it); tokens_per_s =
     generated_tokens / wall_s. rounds: rounds run;
     row_rounds: (live row, round) pairs; mean_emitted_per_round: tokens emitted per live row and round.
     acceptance_per_position[i]: share of live row-rounds whose draft i + 1 was accepted (a prefix: draft i + 1
@@ -237,6 +239,7 @@ class GenerationMetrics:
     generated_tokens: int = 0
     wall_s: float = 0.0
     prefill_s: float = 0.0
+    launch_s: float = 0.0
     rounds: int = 0
     row_rounds: int = 0
     mean_emitted_per_round: float = 0.0
@@ -1012,7 +1015,7 @@ class Generator:
         self.active.zero_()
 
     def _metrics(self, outputs, wall: float, prefill_s: float, rounds: int, round_s: float,
-                 admission_s: float) -> GenerationMetrics:
+                 admission_s: float, launch_s: float) -> GenerationMetrics:
         counts = self.counts.tolist()
         accepted_at = self.accepted_at.tolist()
         generated = sum(len(o.token_ids) for o in outputs)
@@ -1020,7 +1023,7 @@ class Generator:
         metrics = GenerationMetrics(
             speculative=self.speculative, method=self.config.method if self.speculative else "target-only",
             k=self.k if self.speculative else 0, num_requests=len(outputs), generated_tokens=generated,
-            wall_s=wall, prefill_s=prefill_s, rounds=rounds, row_rounds=row_rounds,
+            wall_s=wall, prefill_s=prefill_s, launch_s=launch_s, rounds=rounds, row_rounds=row_rounds,
             mean_emitted_per_round=emitted / row_rounds if row_rounds else 0.0,
             tokens_per_s=generated / wall if wall > 0 else 0.0,
             host_share=max(0.0, 1.0 - round_s / wall) if wall > 0 else 0.0,
@@ -1198,7 +1201,8 @@ class _HostLoop:
             admission_s = sum(b.elapsed_time(e) for b, e in self.admission_spans) / 1e3
         else:
             round_s, admission_s = self.round_s, self.admission_s
-        metrics = self.g._metrics(self.outputs, wall, self.admission_s, self.rounds, round_s, admission_s)
+        metrics = self.g._metrics(self.outputs, wall, self.admission_s, self.rounds, round_s, admission_s,
+                                  self.round_s)
         return GenerationOutput(self.outputs, metrics)
 
 
