@@ -69,6 +69,7 @@ def test_rope_write_kv_head_blocks_equal_single_heads(monkeypatch, tokens, heads
     (q_one, cache_one), (q_block, cache_block) = results
     assert torch.equal(q_one, q_block) and torch.equal(cache_one, cache_block)
 
+
 def test_rope_write_kv_bad_inputs_raise():
     qkv, cos, sin, cache, slots = rope_inputs(2, 4, 2, 16, 8, torch.float32)
     with pytest.raises(ValueError, match="qkv must be"):
