@@ -388,7 +388,8 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, q_out_
     token = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_H)
     if HEADS_PER_PROGRAM == 1:
-        # A scalar head: q, k and v take their own branch.
+        # A scalar head, q, k and v each in its own branch: the code decode steps ran before the head blocks
+        # (kept as it was measured there; the blocks were timed only on steps of more than 16 tokens).
         head = tl.program_id(1)
         j_mask = j < HALF
         src = qkv_ptr + token * stride_qkv + head * (2 * HALF)
