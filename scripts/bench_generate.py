@@ -39,7 +39,9 @@ independent acceptance at alpha gives: acceptance that is not independent from d
 factor (the rest: a round's cost, idle rows, admissions and host time included, against k draft steps plus one
 target step); the host share: the part of the speculative run's wall time in which no round group ran on the
 device, split into the admissions (their CUDA-event spans: prefills, first tokens, state writes) and the rest (the
-device waiting for the host between groups). With --full-split the target and verification parts of a round are
+device waiting for the host between groups); and the device's wait for the host: the share of wall time in which
+the device ran neither a round group nor an admission whose work the host had all queued before the device reached
+it (such an admission's span is device work alone: prefills the target-only path runs too). With --full-split the target and verification parts of a round are
 timed too (two more compiles per batch size), against the target-only round: Leviathan's formula takes the verify
 forward to cost one target step. Requests are greedy by default (verified by greedy_verify); with --temperature T
 they sample at T (request i's seed is i; target-only samples too) and speculation verifies by rejection sampling,
@@ -426,6 +428,8 @@ def make_row(args, batch: int, read_every: int, result: dict, outs: dict) -> dic
                 predicted_speedup=predicted, efficiency=measured / predicted,
                 acceptance_factor=acceptance_factor, cost_factor=cost_factor, host_share=spec.host_share,
                 plain_host_share=plain.host_share, split_ms=result["spec"]["split"],
+                # the device waiting for the host: neither a round group nor an admission queued ahead of it ran
+                device_wait_share=spec.device_wait_share, plain_device_wait_share=plain.device_wait_share,
                 # host time inside the round groups' launches / wall: near the rounds' device share when the
                 # launches block (the host then cannot run ahead of the device)
                 launch_share=spec.launch_s / spec.wall_s if spec.wall_s else 0.0,
@@ -448,9 +452,10 @@ def markdown(doc) -> str:
              "transformers' columns: batch 1, on the batch's last row)", "",
              "| batch (requests, read_every) | target-only tok/s | speculative tok/s | alpha (in 0.5-0.9) | "
              "mean emitted | c | speedup | predicted | efficiency | host share (admissions + waiting) | "
+             "device waiting for the host (speculative / target-only) | "
              "target-only host share | greedy identical | HF target-only tok/s (dynamic / static) | "
              "HF assisted tok/s | spec vs HF fastest target-only / assisted |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         fastest = max([v for v in (r.get("hf_dynamic_tokens_per_s"), r.get("hf_static_tokens_per_s")) if v],
                       default=None)
@@ -461,7 +466,9 @@ def markdown(doc) -> str:
             f"| {f(r['mean_emitted_per_round'], '{:.2f}')} | {f(r['c'], '{:.3f}')} | {f(r['speedup'], '{:.2f}x')} | "
             f"{f(r['predicted_speedup'], '{:.2f}x')} | {f(r['efficiency'], '{:.2f}')} | "
             f"{f(r['host_share'], '{:.1%}')} ({f(r['admission_share'], '{:.1%}')} + "
-            f"{f(r['host_share'] - r['admission_share'], '{:.1%}')}) | {f(r['plain_host_share'], '{:.1%}')} | "
+            f"{f(r['host_share'] - r['admission_share'], '{:.1%}')}) | "
+            f"{f(r.get('device_wait_share'), '{:.1%}')} / {f(r.get('plain_device_wait_share'), '{:.1%}')} | "
+            f"{f(r['plain_host_share'], '{:.1%}')} | "
             f"{r['identical_requests']} | "
             f"{f(r.get('hf_dynamic_tokens_per_s'))} / {f(r.get('hf_static_tokens_per_s'))} | "
             f"{f(r.get('hf_assisted_tokens_per_s'))} | {ratio(r['spec_tokens_per_s'], fastest)} / "

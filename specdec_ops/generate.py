@@ -399,6 +399,8 @@ def _table(spec, plain) -> str:
     rows.append(("mean emitted per round", fmt(spec.mean_emitted_per_round, "{:.2f}"),
                  fmt(plain and plain.mean_emitted_per_round, "{:.2f}")))
     rows.append(("host share of wall", fmt(spec.host_share, "{:.1%}"), fmt(plain and plain.host_share, "{:.1%}")))
+    rows.append(("device waiting for the host", fmt(spec.device_wait_share, "{:.1%}"),
+                 fmt(plain and plain.device_wait_share, "{:.1%}")))
     if spec.split_ms:
         rows.append(("round ms (draft/target/verify)", "{round:.2f} ({draft:.2f}/{target:.2f}/{verify:.2f})".format(
             **spec.split_ms), "-"))

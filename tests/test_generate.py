@@ -381,6 +381,19 @@ def test_generator_runs_again_after_an_interrupted_generate(target, draft):
         assert [r.token_ids for r in generator.generate(requests).requests] == want
 
 
+def test_warm_up_refuses_while_requests_are_live(target, draft):
+    # The guard reads the host's record of admitted requests (their blocks), so that warm_up (and so generate)
+    # never waits for the device; a request that retires frees it again.
+    generator = Generator(target, draft, small_config(2), device="cpu", compile=False)
+    generator.warm_up()
+    generator._admit([0], [generator._prepare(0, Request([5, 6, 7], 4))])
+    with pytest.raises(RuntimeError, match="requests are live; warm up before generating"):
+        generator.warm_up()
+    generator._retire(0)
+    assert not generator.active.any()
+    generator.warm_up()
+
+
 class _Replay:
     """Stands in for a captured prefill graph on the CPU: replay() reruns the recorded forward into its output."""
 
@@ -450,8 +463,11 @@ def test_target_only_runs_no_round_past_the_last_token(target):
         out = Generator(target, None, config, device="cpu", compile=False).generate([Request([1, 2, 3], 17)])
         assert len(out.requests[0].token_ids) == 17
         assert out.metrics.rounds == 16 and out.metrics.row_rounds == 16
-        assert 0.0 <= out.metrics.admission_share <= out.metrics.host_share <= 1.0
-        assert 0.0 < out.metrics.launch_s < out.metrics.wall_s  # the rounds' calls, inside the call's wall time
+        metrics = out.metrics
+        assert 0.0 <= metrics.admission_share <= metrics.host_share <= 1.0
+        assert 0.0 < metrics.launch_s < metrics.wall_s  # the rounds' calls, inside the call's wall time
+        # On the CPU the device is the host: it waits outside the round calls and the admissions.
+        assert metrics.device_wait_share == pytest.approx(metrics.host_share - metrics.admission_share, abs=1e-9)
 
 
 def test_typical_acceptance_runs_and_stops(target, draft):
@@ -853,7 +869,10 @@ def test_cuda_one_graph_per_size_no_recompiles_and_greedy_identity():
         assert got["target-only"] == want, f"request {index}: target-only != the dense cache-free reference"
         assert all(tokens == want for tokens in got.values()), f"request {index}: {got} != {want}"
     assert outputs["speculative"].metrics.acceptance_rate > 0.3
-    assert 0.0 <= outputs["speculative"].metrics.admission_share <= outputs["speculative"].metrics.host_share
+    metrics = outputs["speculative"].metrics
+    assert 0.0 <= metrics.admission_share <= metrics.host_share
+    # Admissions queued ahead of the device count as its work: the wait lies between the two shares.
+    assert metrics.host_share - metrics.admission_share - 1e-9 <= metrics.device_wait_share <= metrics.host_share
 
 
 @pytest.mark.cuda
@@ -897,6 +916,26 @@ def test_cuda_rounds_do_not_sync():
         length = int(generator.length[slot])
         got = generator.tokens_2d[slot, len(request.prompt_ids):length].tolist()
         assert len(got) > 6 and got == want[slot].token_ids[:len(got)], f"slot {slot}"
+
+
+@pytest.mark.cuda
+def test_cuda_generate_with_refills_does_not_sync():
+    # The whole host loop (admissions into freed slots, retirements, round groups, snapshot reads, the metrics)
+    # waits for the device only on its snapshots' events, which the sync debug mode does not flag: a retirement
+    # that synced once made the host drain the device before every refill.
+    from conftest import sync_forbidden
+
+    target, draft = cuda_models()
+    requests = mixed_requests(7, 6)
+    for model_draft in (draft, None):
+        generator = Generator(target, model_draft, small_config(3, max_num_reqs=2, batch_sizes=(2,)),
+                              device="cuda")
+        generator.warm_up()
+        want = generator.generate(requests)  # JIT-compiles the admissions' eager kernels
+        with sync_forbidden():
+            got = generator.generate(requests)
+        assert [r.token_ids for r in got.requests] == [r.token_ids for r in want.requests]
+        assert got.metrics.generated_tokens == want.metrics.generated_tokens > 0
 
 
 @pytest.mark.cuda

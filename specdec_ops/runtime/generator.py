@@ -228,7 +228,10 @@ class GenerationMetrics:
     the round groups; CPU: wall minus the time inside the round calls); admissions count in it.
     admission_share: the part of it spent in admissions (CUDA: the CUDA-event spans from an admission's first
     prefill kernel to its last state write; CPU: host time), so host_share - admission_share is the device
-    waiting for the host between round groups. split_ms: per-round time of the draft,
+    waiting for the host between round groups. device_wait_share: share of wall time in which the device waited
+    for the host: it ran neither a round group nor an admission that the host had queued ahead of it (CUDA: an
+    admission whose queuing ended before the device reached its first kernel, so that its span is device work
+    alone; CPU: host time outside the rounds and admissions). split_ms: per-round time of the draft,
     target and verification parts when `Generator.measure_split` filled it.
     """
 
@@ -248,6 +251,7 @@ class GenerationMetrics:
     tokens_per_s: float = 0.0
     host_share: float = 0.0
     admission_share: float = 0.0
+    device_wait_share: float = 0.0
     split_ms: dict[str, float] | None = None
 
 
@@ -616,7 +620,7 @@ class Generator:
         Rounds with no live row change nothing but the null block and the dump column, so this is safe while
         requests wait; it must run before requests are live, because a capture first runs the round twice.
         """
-        if self.active.any():
+        if self.pool.owners:  # an admitted request holds blocks until it retires (the host's record, no sync)
             raise RuntimeError("Generator.warm_up: requests are live; warm up before generating")
         self._warm_up_prefill(progress)
         for batch in self.batch_sizes:
@@ -970,7 +974,9 @@ class Generator:
 
     def _retire(self, slot: int) -> None:
         self.pool.release(self.block_table.clear(slot))
-        self.active[slot] = False
+        # fill_ on a slice: `self.active[slot] = False` copies a host scalar into the 0-dim view, which on CUDA
+        # waits for every round in flight (the host could not run ahead of the device at a retirement).
+        self.active[slot: slot + 1].fill_(False)
 
     # --- the host loop --------------------------------------------------------------------------------
 
@@ -1015,9 +1021,8 @@ class Generator:
         self.active.zero_()
 
     def _metrics(self, outputs, wall: float, prefill_s: float, rounds: int, round_s: float,
-                 admission_s: float, launch_s: float) -> GenerationMetrics:
-        counts = self.counts.tolist()
-        accepted_at = self.accepted_at.tolist()
+                 admission_s: float, launch_s: float, busy_s: float) -> GenerationMetrics:
+        counts, accepted_at = (t.tolist() for t in _read_to_host(self.counts, self.accepted_at))
         generated = sum(len(o.token_ids) for o in outputs)
         tested, row_rounds, emitted = counts
         metrics = GenerationMetrics(
@@ -1027,7 +1032,8 @@ class Generator:
             mean_emitted_per_round=emitted / row_rounds if row_rounds else 0.0,
             tokens_per_s=generated / wall if wall > 0 else 0.0,
             host_share=max(0.0, 1.0 - round_s / wall) if wall > 0 else 0.0,
-            admission_share=min(1.0, admission_s / wall) if wall > 0 else 0.0)
+            admission_share=min(1.0, admission_s / wall) if wall > 0 else 0.0,
+            device_wait_share=max(0.0, 1.0 - busy_s / wall) if wall > 0 else 0.0)
         if self.speculative and row_rounds:
             metrics.acceptance_per_position = [a / row_rounds for a in accepted_at]
             metrics.acceptance_rate = sum(accepted_at) / tested if tested else 0.0
@@ -1066,6 +1072,7 @@ class _HostLoop:
         self.groups = self.rounds = 0
         self.round_spans: list = []  # CUDA: (begin, end) events of each group's rounds
         self.admission_spans: list = []  # CUDA: (begin, end) events of each admission
+        self.queued_ahead: list[bool] = []  # CUDA, per admission: all queued before the device reached it
         self.round_s = self.admission_s = 0.0  # host time inside the round calls / the admissions
         self.finished = self.finished_tokens = self.reported = 0
 
@@ -1094,6 +1101,8 @@ class _HostLoop:
         self.g._admit(slots, [self.prepared[i] for i in indices])
         self.admission_s += time.perf_counter() - t0
         self._end(begin, self.admission_spans)
+        if begin is not None:
+            self.queued_ahead.append(not begin.query())  # the device has not reached the admission yet
         for slot, index in zip(slots, indices):
             self.live[slot] = index
             self.admitted_after[slot] = self.groups
@@ -1198,12 +1207,29 @@ class _HostLoop:
         wall = time.perf_counter() - start
         if self.on_cuda:
             round_s = sum(b.elapsed_time(e) for b, e in self.round_spans) / 1e3
-            admission_s = sum(b.elapsed_time(e) for b, e in self.admission_spans) / 1e3
+            spans = [b.elapsed_time(e) / 1e3 for b, e in self.admission_spans]
+            admission_s = sum(spans)
+            busy_s = round_s + sum(span for span, ahead in zip(spans, self.queued_ahead) if ahead)
         else:
             round_s, admission_s = self.round_s, self.admission_s
+            busy_s = round_s + admission_s
         metrics = self.g._metrics(self.outputs, wall, self.admission_s, self.rounds, round_s, admission_s,
-                                  self.round_s)
+                                  self.round_s, busy_s)
         return GenerationOutput(self.outputs, metrics)
+
+
+def _read_to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Host copies of device tensors: on CUDA pinned non-blocking copies and an event the host waits for (the
+    generator's one way of waiting for the device, which torch's sync debug mode does not flag), else clones."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return [t.detach().cpu().clone() for t in tensors]
+    copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for dst, src in zip(copies, tensors):
+        dst.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    event.synchronize()
+    return copies
 
 
 class _Snapshot:
