@@ -919,22 +919,30 @@ def test_cuda_rounds_do_not_sync():
 
 
 @pytest.mark.cuda
-def test_cuda_generate_with_refills_does_not_sync():
-    # The whole host loop (admissions into freed slots, retirements, round groups, snapshot reads, the metrics)
-    # waits for the device only on its snapshots' events, which the sync debug mode does not flag: a retirement
-    # that synced once made the host drain the device before every refill.
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "rejection-filters-logprobs-stream"])
+def test_cuda_generate_with_refills_does_not_sync(sampled):
+    # The whole host loop (admissions into freed slots, retirements, round groups, snapshot reads, the stream
+    # callback, the metrics) waits for the device only on its snapshots' events, which the sync debug mode does
+    # not flag: a retirement that synced once made the host drain the device before every refill.
     from conftest import sync_forbidden
 
     target, draft = cuda_models()
     requests = mixed_requests(7, 6)
+    extra = {}
+    if sampled:
+        requests = [dataclasses.replace(r, temperature=0.8, seed=i, top_k=20, top_p=0.9) for i, r in
+                    enumerate(requests)]
+        extra = dict(method="rejection", sampling_filters=True, logprobs="processed")
     for model_draft in (draft, None):
-        generator = Generator(target, model_draft, small_config(3, max_num_reqs=2, batch_sizes=(2,)),
+        generator = Generator(target, model_draft, small_config(3, max_num_reqs=2, batch_sizes=(2,), **extra),
                               device="cuda")
         generator.warm_up()
         want = generator.generate(requests)  # JIT-compiles the admissions' eager kernels
+        streamed = [[] for _ in requests]
         with sync_forbidden():
-            got = generator.generate(requests)
-        assert [r.token_ids for r in got.requests] == [r.token_ids for r in want.requests]
+            got = generator.generate(requests, stream=lambda index, ids: streamed[index].extend(ids))
+        assert [r.token_ids for r in got.requests] == [r.token_ids for r in want.requests]  # seeded
+        assert streamed == [r.token_ids for r in got.requests]
         assert got.metrics.generated_tokens == want.metrics.generated_tokens > 0
 
 
