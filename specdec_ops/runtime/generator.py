@@ -134,9 +134,12 @@ class GeneratorConfig:
         (max_position_embeddings, where their config gives one).
     block_size: cache slots per KV block (both caches).
     batch_sizes: padded batch sizes, one graph each (default: powers of two up to max_num_reqs, and it).
-    read_every: rounds per group: the host reads the device state once per group. The default, 2, measured best
-        with continuous batching on the H200 (a finished request's slot waits one to two groups for the host to
-        see it and admit the next; benchmarks/RESULTS.md), and within 0.5 % of 8 at batch 1.
+    read_every: rounds per group: the host reads the device state once per group. A finished request's slot
+        waits one to two groups for the host to see it and admit the next, and every group costs the device about
+        40 us between graph replays. The default, 2, measured best with continuous batching on the H200 until the
+        twelfth session, and within 0.5 % of 8 at batch 1; in that session's one run of both on the same requests
+        at batch 8, reading every round refilled sooner (row occupancy 0.92 against 0.80) and ran 16 % faster
+        (benchmarks/RESULTS.md, generation).
     overlap: the host keeps two groups queued, launching the next one before it reads the previous one's
         snapshot (False: it waits for each group before launching the next; the outputs are the same).
     logprobs: also return each generated token's log-probability (`RequestOutput.logprobs`, float32 values):
@@ -1219,8 +1222,8 @@ class _HostLoop:
 
 
 def _read_to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Host copies of device tensors: on CUDA pinned non-blocking copies and an event the host waits for (the
-    generator's one way of waiting for the device, which torch's sync debug mode does not flag), else clones."""
+    """Host copies of device tensors: on CUDA pinned non-blocking copies and an event the host waits for (as the
+    snapshots wait; torch's sync debug mode does not flag it), else clones."""
     if not tensors or tensors[0].device.type != "cuda":
         return [t.detach().cpu().clone() for t in tensors]
     copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
