@@ -38,17 +38,18 @@ measured / predicted, printed as the product of an acceptance factor (the measur
 independent acceptance at alpha gives: acceptance that is not independent from draft to draft lowers it) and a cost
 factor (the rest: a round's cost, idle rows, admissions and host time included, against k draft steps plus one
 target step); the host share: the part of the speculative run's wall time in which no round group ran on the
-device, split into the admissions (their CUDA-event spans: prefills, first tokens, state writes) and the rest (the
-device waiting for the host between groups); and the device's wait for the host: the share of wall time in which
-the device ran neither a round group nor an admission whose work the host had all queued before the device reached
-it (such an admission's span is device work alone: prefills the target-only path runs too). With --full-split the target and verification parts of a round are
-timed too (two more compiles per batch size), against the target-only round: Leviathan's formula takes the verify
-forward to cost one target step. Requests are greedy by default (verified by greedy_verify); with --temperature T
-they sample at T (request i's seed is i; target-only samples too) and speculation verifies by rejection sampling,
-whose acceptance is a coin per draft (sum of min(p, q)) rather than greedy's all-or-nothing match of a repeating
-continuation; --method block verifies by block verification instead, and --top-k / --top-p / --min-p add the
-sampling filters to every request (the generator is then built with sampling_filters, for both paths). The JSON (and
-the table on stderr) is rewritten after every batch size.
+device, split into the admissions (their CUDA-event spans: prefills, first tokens, state writes) and the rest
+(between groups, outside admissions); and the device's wait for the host: the share of wall time in which the
+device ran neither a round group nor an admission whose work the host had all queued before the device reached it
+(such an admission's span is device work alone: prefills the target-only path runs too; the first admission of a
+call finds the device idle and counts whole, so the figure errs high). With --full-split the target and
+verification parts of a round are timed too (two more compiles per batch size), against the target-only round:
+Leviathan's formula takes the verify forward to cost one target step. Requests are greedy by default (verified by
+greedy_verify); with --temperature T they sample at T (request i's seed is i; target-only samples too) and
+speculation verifies by rejection sampling, whose acceptance is a coin per draft (sum of min(p, q)) rather than
+greedy's all-or-nothing match of a repeating continuation; --method block verifies by block verification instead,
+and --top-k / --top-p / --min-p add the sampling filters to every request (the generator is then built with
+sampling_filters, for both paths). The JSON (and the table on stderr) is rewritten after every batch size.
 """
 from __future__ import annotations
 

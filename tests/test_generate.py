@@ -383,14 +383,22 @@ def test_generator_runs_again_after_an_interrupted_generate(target, draft):
 
 def test_warm_up_refuses_while_requests_are_live(target, draft):
     # The guard reads the host's record of admitted requests (their blocks), so that warm_up (and so generate)
-    # never waits for the device; a request that retires frees it again.
+    # never waits for the device. A request whose first token is its EOS is stopped on the device at once, but
+    # it holds its blocks until the host retires it, so warm_up still refuses (the device flags alone would let
+    # it through). A retirement, or an abandoned generate, frees it again.
     generator = Generator(target, draft, small_config(2), device="cpu", compile=False)
     generator.warm_up()
-    generator._admit([0], [generator._prepare(0, Request([5, 6, 7], 4))])
-    with pytest.raises(RuntimeError, match="requests are live; warm up before generating"):
+    prompt = [5, 6, 7]
+    first = greedy_reference(target, prompt, 1)[0]
+    for request in (Request(prompt, 4), Request(prompt, 4, eos_token_id=first)):
+        generator._admit([0], [generator._prepare(0, request)])
+        assert bool(generator.active[0]) == (request.eos_token_id is None)
+        with pytest.raises(RuntimeError, match="requests are live; warm up before generating"):
+            generator.warm_up()
+        generator._retire(0)
         generator.warm_up()
-    generator._retire(0)
-    assert not generator.active.any()
+    generator._admit([1], [generator._prepare(0, Request(prompt, 4))])
+    generator._abandon()
     generator.warm_up()
 
 
@@ -922,8 +930,9 @@ def test_cuda_rounds_do_not_sync():
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "rejection-filters-logprobs-stream"])
 def test_cuda_generate_with_refills_does_not_sync(sampled):
     # The whole host loop (admissions into freed slots, retirements, round groups, snapshot reads, the stream
-    # callback, the metrics) waits for the device only on its snapshots' events, which the sync debug mode does
-    # not flag: a retirement that synced once made the host drain the device before every refill.
+    # callback, the metrics) waits for the device only on events, which the sync debug mode does not flag, and
+    # on the explicit synchronize at its end: a retirement that synced once made the host drain the device before
+    # every refill.
     from conftest import sync_forbidden
 
     target, draft = cuda_models()

@@ -135,10 +135,12 @@ class GeneratorConfig:
     block_size: cache slots per KV block (both caches).
     batch_sizes: padded batch sizes, one graph each (default: powers of two up to max_num_reqs, and it).
     read_every: rounds per group: the host reads the device state once per group. A finished request's slot
-        waits one to two groups for the host to see it and admit the next, and every group costs the device about
-        40 us between graph replays. The default, 2, measured best with continuous batching on the H200 until the
-        twelfth session, and within 0.5 % of 8 at batch 1; in that session's one run of both on the same requests
-        at batch 8, reading every round refilled sooner (row occupancy 0.92 against 0.80) and ran 16 % faster
+        waits one to two groups for the host to see it and admit the next, and every group leaves the device
+        about 40 us outside the round spans (the snapshot copy and the gap between replays). The default, 2,
+        measured best with continuous batching on the H200 in earlier sessions, and within 0.5 % of 8 at batch 1.
+        In the twelfth session's run of 1, 2 and 3 on the same requests at batch 8, reading every round refilled
+        sooner (row occupancy 0.92 against 0.80) and ran 16 % faster, but read_every 2 in another run reached
+        occupancy 0.90 and more tokens/s: which slow requests share the last wave decides it, so the default stays
         (benchmarks/RESULTS.md, generation).
     overlap: the host keeps two groups queued, launching the next one before it reads the previous one's
         snapshot (False: it waits for each group before launching the next; the outputs are the same).
@@ -230,12 +232,15 @@ class GenerationMetrics:
     host_share: share of wall time in which no round ran on the device (CUDA: wall minus the CUDA-event time of
     the round groups; CPU: wall minus the time inside the round calls); admissions count in it.
     admission_share: the part of it spent in admissions (CUDA: the CUDA-event spans from an admission's first
-    prefill kernel to its last state write; CPU: host time), so host_share - admission_share is the device
-    waiting for the host between round groups. device_wait_share: share of wall time in which the device waited
-    for the host: it ran neither a round group nor an admission that the host had queued ahead of it (CUDA: an
-    admission whose queuing ended before the device reached its first kernel, so that its span is device work
-    alone; CPU: host time outside the rounds and admissions). split_ms: per-round time of the draft,
-    target and verification parts when `Generator.measure_split` filled it.
+    prefill kernel to its last state write; CPU: host time), so host_share - admission_share is the time between
+    round groups outside admissions (a lower bound of the device's wait for the host). device_wait_share: share
+    of wall time in which the device ran neither a round group nor an admission that the host had queued ahead of
+    it (CUDA: an admission whose queuing ended before the device reached its first kernel, so that its span is
+    device work alone; CPU: host time outside the rounds and admissions). It errs high: an admission that was
+    not queued ahead counts whole, prefill kernels included (always the first one of a call, which finds the
+    device idle), and so do the snapshot copies after each group; round groups always count as device work.
+    split_ms: per-round time of the draft, target and verification parts when `Generator.measure_split` filled
+    it.
     """
 
     speculative: bool
@@ -672,7 +677,7 @@ class Generator:
         live row (rows still compute at the padded size; only their writes are masked), timed by CUDA events
         around `repeats` replays (wall clock on CPU). Also times the whole round. Call it with no live request.
         """
-        if self.active.any():
+        if self.pool.owners:  # as warm_up: the host's record of admitted requests
             raise RuntimeError("Generator.measure_split: requests are live")
         k = self.k
         if self._split_logits is None:
