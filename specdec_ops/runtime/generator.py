@@ -137,11 +137,9 @@ class GeneratorConfig:
     read_every: rounds per group: the host reads the device state once per group. A finished request's slot
         waits one to two groups for the host to see it and admit the next, and every group leaves the device
         about 40 us outside the round spans (the snapshot copy and the gap between replays). The default, 2,
-        measured best with continuous batching on the H200 in earlier sessions, and within 0.5 % of 8 at batch 1.
-        In the twelfth session's run of 1, 2 and 3 on the same requests at batch 8, reading every round refilled
-        sooner (row occupancy 0.92 against 0.80) and ran 16 % faster, but read_every 2 in another run reached
-        occupancy 0.90 and more tokens/s: which slow requests share the last wave decides it, so the default stays
-        (benchmarks/RESULTS.md, generation).
+        halves that cost against reading every round and is within 0.5 % of 8 at batch 1; reading every round
+        refills sooner, which at batch 8 with refills won the one H200 run that compared both, though read_every 2
+        ran faster still in another run with its own calibration (benchmarks/RESULTS.md, generation).
     overlap: the host keeps two groups queued, launching the next one before it reads the previous one's
         snapshot (False: it waits for each group before launching the next; the outputs are the same).
     logprobs: also return each generated token's log-probability (`RequestOutput.logprobs`, float32 values):
