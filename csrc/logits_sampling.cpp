@@ -24,6 +24,9 @@ namespace {
 
 using namespace streams;
 
+// An optional input: a draft distribution, or a filter (absent: off for the whole batch).
+using OptionalTensor = std::optional<at::Tensor>;
+
 constexpr const char* kRejection = "rejection_sample_logits";
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
@@ -56,12 +59,13 @@ void check_vector(const char* op, const char* name, const at::Tensor& t, int64_t
   check_size(op, name, t, 0, rows, meaning);
 }
 
-void check_params(const char* op, const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
-                  const at::Tensor& min_p, int64_t rows, const char* meaning) {
+void check_params(const char* op, const at::Tensor& temperature, const OptionalTensor& top_k,
+                  const OptionalTensor& top_p, const OptionalTensor& min_p, int64_t rows, const char* meaning) {
   check_vector(op, "temperature", temperature, rows, meaning, false, at::kFloat);
-  check_vector(op, "top_k", top_k, rows, meaning, true, at::kLong);
-  check_vector(op, "top_p", top_p, rows, meaning, false, at::kFloat);
-  check_vector(op, "min_p", min_p, rows, meaning, false, at::kFloat);
+  // An absent filter is off for every row.
+  if (top_k.has_value()) check_vector(op, "top_k", *top_k, rows, meaning, true, at::kLong);
+  if (top_p.has_value()) check_vector(op, "top_p", *top_p, rows, meaning, false, at::kFloat);
+  if (min_p.has_value()) check_vector(op, "min_p", *min_p, rows, meaning, false, at::kFloat);
 }
 
 // One request's sampling parameters, read from the [B] tensors.
@@ -73,10 +77,13 @@ struct Params {
   bool greedy() const { return !(temperature > 0.0f); }
 };
 
-Params read_params(const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
-                   const at::Tensor& min_p, int64_t b) {
-  return {temperature.const_data_ptr<float>()[b * temperature.stride(0)], load_int(top_k, b * top_k.stride(0)),
-          top_p.const_data_ptr<float>()[b * top_p.stride(0)], min_p.const_data_ptr<float>()[b * min_p.stride(0)]};
+Params read_params(const at::Tensor& temperature, const OptionalTensor& top_k, const OptionalTensor& top_p,
+                   const OptionalTensor& min_p, int64_t b) {
+  auto value = [b](const OptionalTensor& t, float off) {
+    return t.has_value() ? t->const_data_ptr<float>()[b * t->stride(0)] : off;
+  };
+  return {temperature.const_data_ptr<float>()[b * temperature.stride(0)],
+          top_k.has_value() ? load_int(*top_k, b * top_k->stride(0)) : 0, value(top_p, 1.0f), value(min_p, 0.0f)};
 }
 
 // The processed distribution of one logit row (contract in the Python module): what a probability needs.
@@ -181,9 +188,9 @@ Row process_row(const void* base, at::ScalarType dtype, int64_t offset, int64_t 
 // --- rejection_sample_logits ---------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> rejection_impl(
-    const at::Tensor& target, const at::Tensor& draft, const std::optional<at::Tensor>& draft_probs,
-    const std::optional<at::Tensor>& draft_logits, const at::Tensor& temperature, const at::Tensor& top_k,
-    const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds, const at::Tensor& offsets,
+    const at::Tensor& target, const at::Tensor& draft, const OptionalTensor& draft_probs,
+    const OptionalTensor& draft_logits, const at::Tensor& temperature, const OptionalTensor& top_k,
+    const OptionalTensor& top_p, const OptionalTensor& min_p, const at::Tensor& seeds, const at::Tensor& offsets,
     bool block, at::Tensor* counters, bool with_logprobs) {
   const char* op = kRejection;
   check_logit_tensor(op, "target_logits", target, 3);
@@ -193,7 +200,7 @@ std::tuple<at::Tensor, at::Tensor> rejection_impl(
   const int64_t vocab = shape.vocab;
   SPECDEC_CHECK(!(draft_probs.has_value() && draft_logits.has_value()), op,
                 ": pass at most one of 'draft_probs' and 'draft_logits', got both");
-  const std::optional<at::Tensor>& q_tensor = draft_probs.has_value() ? draft_probs : draft_logits;
+  const OptionalTensor& q_tensor = draft_probs.has_value() ? draft_probs : draft_logits;
   const char* q_name = draft_probs.has_value() ? "draft_probs" : "draft_logits";
   if (q_tensor.has_value()) {
     const at::Tensor& q = *q_tensor;
@@ -332,18 +339,18 @@ std::tuple<at::Tensor, at::Tensor> rejection_impl(
 }
 
 at::Tensor rejection_cpu(const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
-                         const std::optional<at::Tensor>& draft_probs, const std::optional<at::Tensor>& draft_logits,
-                         const at::Tensor& temperature, const at::Tensor& top_k, const at::Tensor& top_p,
-                         const at::Tensor& min_p, const at::Tensor& seeds, const at::Tensor& offsets,
+                         const OptionalTensor& draft_probs, const OptionalTensor& draft_logits,
+                         const at::Tensor& temperature, const OptionalTensor& top_k, const OptionalTensor& top_p,
+                         const OptionalTensor& min_p, const at::Tensor& seeds, const at::Tensor& offsets,
                          bool block_verification) {
   return std::get<0>(rejection_impl(target_logits, draft_token_ids, draft_probs, draft_logits, temperature, top_k,
                                     top_p, min_p, seeds, offsets, block_verification, nullptr, false));
 }
 
 at::Tensor rejection_counted_cpu(const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
-                                 const std::optional<at::Tensor>& draft_probs,
-                                 const std::optional<at::Tensor>& draft_logits, const at::Tensor& temperature,
-                                 const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& min_p,
+                                 const OptionalTensor& draft_probs,
+                                 const OptionalTensor& draft_logits, const at::Tensor& temperature,
+                                 const OptionalTensor& top_k, const OptionalTensor& top_p, const OptionalTensor& min_p,
                                  const at::Tensor& seeds, const at::Tensor& offsets, bool block_verification,
                                  at::Tensor counters) {
   return std::get<0>(rejection_impl(target_logits, draft_token_ids, draft_probs, draft_logits, temperature, top_k,
@@ -351,18 +358,18 @@ at::Tensor rejection_counted_cpu(const at::Tensor& target_logits, const at::Tens
 }
 
 std::tuple<at::Tensor, at::Tensor> rejection_logprobs_cpu(
-    const at::Tensor& target_logits, const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
-    const std::optional<at::Tensor>& draft_logits, const at::Tensor& temperature, const at::Tensor& top_k,
-    const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds, const at::Tensor& offsets,
+    const at::Tensor& target_logits, const at::Tensor& draft_token_ids, const OptionalTensor& draft_probs,
+    const OptionalTensor& draft_logits, const at::Tensor& temperature, const OptionalTensor& top_k,
+    const OptionalTensor& top_p, const OptionalTensor& min_p, const at::Tensor& seeds, const at::Tensor& offsets,
     bool block_verification) {
   return rejection_impl(target_logits, draft_token_ids, draft_probs, draft_logits, temperature, top_k, top_p, min_p,
                         seeds, offsets, block_verification, nullptr, true);
 }
 
 std::tuple<at::Tensor, at::Tensor> rejection_logprobs_counted_cpu(
-    const at::Tensor& target_logits, const at::Tensor& draft_token_ids, const std::optional<at::Tensor>& draft_probs,
-    const std::optional<at::Tensor>& draft_logits, const at::Tensor& temperature, const at::Tensor& top_k,
-    const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds, const at::Tensor& offsets,
+    const at::Tensor& target_logits, const at::Tensor& draft_token_ids, const OptionalTensor& draft_probs,
+    const OptionalTensor& draft_logits, const at::Tensor& temperature, const OptionalTensor& top_k,
+    const OptionalTensor& top_p, const OptionalTensor& min_p, const at::Tensor& seeds, const at::Tensor& offsets,
     bool block_verification, at::Tensor counters) {
   return rejection_impl(target_logits, draft_token_ids, draft_probs, draft_logits, temperature, top_k, top_p, min_p,
                         seeds, offsets, block_verification, &counters, true);
@@ -370,8 +377,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_logprobs_counted_cpu(
 
 // --- sample_draft_filtered -----------------------------------------------------------------------------------
 
-at::Tensor draft_impl(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                      const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
+at::Tensor draft_impl(const at::Tensor& logits, const at::Tensor& temperature, const OptionalTensor& top_k,
+                      const OptionalTensor& top_p, const OptionalTensor& min_p, const at::Tensor& seeds,
                       const at::Tensor& positions, at::Tensor* probs) {
   const char* op = probs == nullptr ? "sample_draft_filtered" : "sample_draft_filtered.with_probs";
   check_logit_tensor(op, "logits", logits, 2);
@@ -421,14 +428,14 @@ at::Tensor draft_impl(const at::Tensor& logits, const at::Tensor& temperature, c
   return out;
 }
 
-at::Tensor draft_cpu(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                     const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
+at::Tensor draft_cpu(const at::Tensor& logits, const at::Tensor& temperature, const OptionalTensor& top_k,
+                     const OptionalTensor& top_p, const OptionalTensor& min_p, const at::Tensor& seeds,
                      const at::Tensor& positions) {
   return draft_impl(logits, temperature, top_k, top_p, min_p, seeds, positions, nullptr);
 }
 
-at::Tensor draft_with_probs_cpu(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
-                                const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& seeds,
+at::Tensor draft_with_probs_cpu(const at::Tensor& logits, const at::Tensor& temperature, const OptionalTensor& top_k,
+                                const OptionalTensor& top_p, const OptionalTensor& min_p, const at::Tensor& seeds,
                                 const at::Tensor& positions, at::Tensor probs) {
   return draft_impl(logits, temperature, top_k, top_p, min_p, seeds, positions, &probs);
 }

@@ -91,29 +91,29 @@ TORCH_LIBRARY(specdec, m) {
       "float posterior_alpha, Tensor(a!) counters) -> Tensor");
 
   // Verification and draft sampling from logits with temperature, top-k, top-p, min-p
-  // (specdec_ops/ops/logits_sampling.py).
+  // (specdec_ops/ops/logits_sampling.py). An absent top_k, top_p or min_p is off for the whole batch.
   m.def(
       "rejection_sample_logits(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
-      "Tensor? draft_logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
+      "Tensor? draft_logits, Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, Tensor seeds, "
       "Tensor offsets, bool block_verification=False) -> Tensor");
   m.def(
       "rejection_sample_logits.counted(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
-      "Tensor? draft_logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
+      "Tensor? draft_logits, Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, Tensor seeds, "
       "Tensor offsets, bool block_verification, Tensor(a!) counters) -> Tensor");
   m.def(
       "rejection_sample_logits.logprobs(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
-      "Tensor? draft_logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, Tensor seeds, "
+      "Tensor? draft_logits, Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, Tensor seeds, "
       "Tensor offsets, bool block_verification=False) -> (Tensor, Tensor)");
   m.def(
       "rejection_sample_logits.logprobs_counted(Tensor target_logits, Tensor draft_token_ids, "
-      "Tensor? draft_probs, Tensor? draft_logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
+      "Tensor? draft_probs, Tensor? draft_logits, Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, "
       "Tensor seeds, Tensor offsets, bool block_verification, Tensor(a!) counters) -> (Tensor, Tensor)");
   m.def(
-      "sample_draft_filtered(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor min_p, "
+      "sample_draft_filtered(Tensor logits, Tensor temperature, Tensor? top_k, Tensor? top_p, Tensor? min_p, "
       "Tensor seeds, Tensor positions) -> Tensor");
   m.def(
-      "sample_draft_filtered.with_probs(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, "
-      "Tensor min_p, Tensor seeds, Tensor positions, Tensor(a!) probs) -> Tensor");
+      "sample_draft_filtered.with_probs(Tensor logits, Tensor temperature, Tensor? top_k, Tensor? top_p, "
+      "Tensor? min_p, Tensor seeds, Tensor positions, Tensor(a!) probs) -> Tensor");
 
   // One decode step of the draft loop (specdec_ops/ops/draft_step.py).
   m.def(

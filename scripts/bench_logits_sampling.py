@@ -1,7 +1,8 @@
 """Benchmark of rejection_sample_logits (verification from logits with sampling parameters).
 
-For k = 4, V in 32000 and 128256, B in 1, 16, 64, 256, target logits in bfloat16 and float32, filters off
-(temperature 1) and on (temperature 0.8, top-k 50, top-p 0.9): time per call of
+For k = 4, V in 32000 and 128256, B in 1, 16, 64, 256, target logits in bfloat16 and float32, filters passed as
+None (``none``: off for the batch, no filter pass; temperature 1), given but off in every row (``off``: top_k 0,
+top_p 1, min_p 0) and on (temperature 0.8, top-k 50, top-p 0.9): time per call of
 
 - ``logits``: rejection_sample_logits with draft_logits (the draft's logits in the target's dtype);
 - ``probs``: rejection_sample_logits with draft_probs (float32 q, as sample_draft_filtered writes it);
@@ -41,7 +42,9 @@ import specdec_ops
 
 K = 4
 PEAK_BYTES_PER_S = 4.3e12
-FILTERS = {"off": (1.0, 0, 1.0, 0.0), "top-k+top-p": (0.8, 50, 0.9, 0.0)}
+# none: top_k, top_p and min_p passed as None (off for the whole batch: no filter pass), as the generator does
+# without sampling filters; off: the same values as tensors of off values.
+FILTERS = {"none": (1.0, None, None, None), "off": (1.0, 0, 1.0, 0.0), "top-k+top-p": (0.8, 50, 0.9, 0.0)}
 
 
 def make_logits(shape, inputs, gen, device):
@@ -62,8 +65,10 @@ def make_inputs(batch, vocab, dtype, filters, device, inputs="peaked", seed=0):
     target = make_logits((batch, K + 1, vocab), inputs, gen, device)
     draft_logits = target[:, :K] + torch.randn(batch, K, vocab, generator=gen, device=device)
     t, top_k, top_p, min_p = FILTERS[filters]
-    params = (torch.full((batch,), t, device=device), torch.full((batch,), top_k, device=device, dtype=torch.int32),
-              torch.full((batch,), top_p, device=device), torch.full((batch,), min_p, device=device))
+    params = (torch.full((batch,), t, device=device),
+              None if top_k is None else torch.full((batch,), top_k, device=device, dtype=torch.int32),
+              None if top_p is None else torch.full((batch,), top_p, device=device),
+              None if min_p is None else torch.full((batch,), min_p, device=device))
     q = torch.empty(batch, K, vocab, device=device)
     seeds = torch.randint(0, 2**62, (batch,), generator=gen, device=device)
     offsets = torch.randint(0, 2**40, (batch,), generator=gen, device=device)
@@ -117,7 +122,7 @@ def bench(batch, vocab, dtype, filters, inputs, device, replays, ops=("logits", 
             counters=counters), (2 * K + 1) * batch * vocab * elem),
     }
     calls = {name: call for name, call in calls.items() if name in ops}
-    filtered = filters != "off"
+    filtered = filters == "top-k+top-p"
 
     def pipeline():
         p = torch_processed(target, temperature, top_k, top_p, filtered)
@@ -132,7 +137,8 @@ def bench(batch, vocab, dtype, filters, inputs, device, replays, ops=("logits", 
             got = specdec_ops.rejection_sample_logits(target, draft, *params, seeds, offsets, **kwargs)
             cpu = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
             expected = specdec_ops.rejection_sample_logits_reference(
-                target.cpu(), draft.cpu(), *(t.cpu() for t in params), seeds.cpu(), offsets.cpu(), **cpu)
+                target.cpu(), draft.cpu(), *(None if t is None else t.cpu() for t in params), seeds.cpu(),
+                offsets.cpu(), **cpu)
             if not torch.equal(got.cpu(), expected):
                 print(f"note: {name} B={batch} V={vocab} {dtype} {filters} {inputs}: differs from the reference in "
                       f"{int((got.cpu() != expected).any(1).sum())} of {batch} rows (a near-tie, or a bug)")
@@ -166,9 +172,9 @@ def main() -> int:
     parser.add_argument("--batches", default="", help="comma-separated B values instead of the default set")
     parser.add_argument("--vocabs", default="", help="comma-separated V values instead of the default set")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated logit dtypes")
-    parser.add_argument("--cases", default="off:peaked,top-k+top-p:peaked,top-k+top-p:flat",
-                        help="comma-separated filters:inputs pairs (filters off or top-k+top-p; inputs peaked, flat "
-                        "or outlier)")
+    parser.add_argument("--cases", default="none:peaked,off:peaked,top-k+top-p:peaked,top-k+top-p:flat",
+                        help="comma-separated filters:inputs pairs (filters none, off or top-k+top-p; inputs peaked, "
+                        "flat or outlier)")
     parser.add_argument("--ops", default="logits,probs,block", help="which calls to time (the torch pipeline is "
                         "compared with the first)")
     args = parser.parse_args()

@@ -52,16 +52,17 @@ def main() -> int:
               "SMALL_CAP": GEOMETRY["small_cap"]}
     # The GPU's chunks are one block each (chunk_is_block); a chunk of several blocks, as tests force, takes the
     # online-sum loop: compiled once, fused.
-    stats_variants = [(logits, fused, True) for logits in (False, True) for fused in (False, True)]
-    stats_variants.append((True, True, False))
-    for has_draft_logits, fused, chunk_is_block in stats_variants:
+    # FILTERS=False (top_k and top_p passed as None) compiles the histograms out; fused, min-p alone.
+    stats_variants = [(logits, fused, True, True) for logits in (False, True) for fused in (False, True)]
+    stats_variants += [(True, True, False, True), (False, False, True, False), (True, True, True, False)]
+    for has_draft_logits, fused, chunk_is_block, filters in stats_variants:
         ok &= compile_variant(kernels._stats_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows,
                                                       "CHUNK_IS_BLOCK": chunk_is_block,
                                                       "NUM_BINS": GEOMETRY["hist_bins"],
                                                       "BIN_SCALE": GEOMETRY["bin_scale"], "FUSED_FILTER": fused,
-                                                      **search},
+                                                      "FILTERS": filters, **search},
                               f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused}, "
-                              f"chunk_is_block={chunk_is_block})",
+                              f"chunk_is_block={chunk_is_block}, filters={filters})",
                               {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"})
     for has_draft_logits in (False, True):
         ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows, **search},

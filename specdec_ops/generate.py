@@ -28,7 +28,7 @@ from dataclasses import asdict
 import torch
 
 from .runtime.generator import (LOGPROB_MODES, MAX_EOS_TOKEN_IDS, METHODS, Generator, GeneratorConfig, Request,
-                                model_context)
+                                decode_generated, model_context)
 
 # The default draft: SmolLM2-135M's first 24 of 30 layers with its final norm and head (an early exit; no trained
 # draft ships with the package). Measured teacher-forced greedy agreement with the full model over 40 generated
@@ -211,13 +211,6 @@ def _eos_ids(target, tokenizer) -> list[int]:
     return ids
 
 
-def _text(tokenizer, token_ids: list[int], eos_ids: list[int]) -> str:
-    """The generated text, without a closing EOS token (the token ids keep it)."""
-    if token_ids and token_ids[-1] in eos_ids:
-        token_ids = token_ids[:-1]
-    return tokenizer.decode(token_ids, skip_special_tokens=True)
-
-
 def build_models(args, dtype: torch.dtype, device: str):
     """(target, draft, tokenizer or None) from the flags."""
     from .models import DraftModel, DraftModelConfig, check_draft_matches_target, load_model, load_tokenizer
@@ -237,7 +230,7 @@ def build_models(args, dtype: torch.dtype, device: str):
             tokenizer = _flagged("--target", load_tokenizer, target_path)
         if args.draft is not None:
             draft = _flagged("--draft", load_model, args.draft, dtype=dtype, device=device)
-            check_draft_matches_target(target, draft)
+            check_draft_matches_target(target, draft, target_path=target_path, draft_path=args.draft)
             if not isinstance(tokenizer, _IdsTokenizer):
                 _check_same_tokenizer(tokenizer, args.draft)
             return target, draft, tokenizer
@@ -335,7 +328,7 @@ class _TextTracker:
 
     def text(self, token_ids: list[int]) -> str:
         """The request's text: decoded without a closing EOS, and cut before its first stop string."""
-        text = _text(self.tokenizer, token_ids, self.eos_ids)
+        text = decode_generated(self.tokenizer, token_ids, self.eos_ids)
         cut = _first_stop(text, self.stops)
         return text if cut is None else text[:cut]
 
@@ -344,10 +337,9 @@ class _TextTracker:
         before = len(ids)
         ids.extend(token_ids)
         keep = None
-        if self.stops and _first_stop(_text(self.tokenizer, ids, self.eos_ids), self.stops) is not None:
+        if self.stops and self._stop_in(ids):
             # The fewest of the new tokens whose text completes a stop string.
-            keep = next(n for n in range(1, len(token_ids) + 1)
-                        if _first_stop(_text(self.tokenizer, ids[:before + n], self.eos_ids), self.stops) is not None)
+            keep = next(n for n in range(1, len(token_ids) + 1) if self._stop_in(ids[:before + n]))
             del ids[before + keep:]
         if self.echo:
             text = self.text(ids)
@@ -356,6 +348,9 @@ class _TextTracker:
                 text = text.rstrip("\ufffd")  # a character whose bytes span tokens not all here yet
             self.print_to(text)
         return keep
+
+    def _stop_in(self, token_ids: list[int]) -> bool:
+        return _first_stop(decode_generated(self.tokenizer, token_ids, self.eos_ids), self.stops) is not None
 
     def print_to(self, text: str) -> None:
         """Prints what `text` adds to the text printed so far. Printed text stays as printed, should a tokenizer

@@ -165,12 +165,15 @@ def _check_sampling_params(op: str, a: dict[str, Any]) -> None:
     # The ranges of ops.logits_sampling.check_sampling_params (whose messages name no op, index or value),
     # temperature as sample_draft's (NaN and inf refused too).
     _check_temperature(op, a)
-    top_k = a["top_k"].long()
-    _check(op, "top_k", top_k, top_k < 0, "must be >= 0 (0 = off)")
-    top_p = a["top_p"].float()
-    _check(op, "top_p", top_p, ~((top_p > 0) & (top_p <= 1)), "must lie in (0, 1] (1 = off)")
-    min_p = a["min_p"].float()
-    _check(op, "min_p", min_p, ~((min_p >= 0) & (min_p <= 1)), "must lie in [0, 1] (0 = off)")
+    if a["top_k"] is not None:  # a filter given as None is off
+        top_k = a["top_k"].long()
+        _check(op, "top_k", top_k, top_k < 0, "must be >= 0 (0 = off)")
+    if a["top_p"] is not None:
+        top_p = a["top_p"].float()
+        _check(op, "top_p", top_p, ~((top_p > 0) & (top_p <= 1)), "must lie in (0, 1] (1 = off)")
+    if a["min_p"] is not None:
+        min_p = a["min_p"].float()
+        _check(op, "min_p", min_p, ~((min_p >= 0) & (min_p <= 1)), "must lie in [0, 1] (0 = off)")
 
 
 def _check_positions(op: str, name: str, positions: torch.Tensor) -> None:

@@ -884,6 +884,22 @@ def test_cuda_one_graph_per_size_no_recompiles_and_greedy_identity():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("k", range(1, 9))
+def test_cuda_greedy_speculative_equals_target_only_for_every_k(k):
+    """fp32 on CUDA, compiled and graph-replayed: 7 requests of mixed lengths through 3 slots (joining and leaving)
+    give the dense cache-free reference's greedy tokens, speculative at this k and target-only alike."""
+    target, draft = cuda_models()
+    requests = mixed_requests(11, 7)
+    wants = [greedy_reference(target, r.prompt_ids, r.max_new_tokens) for r in requests]
+    config = small_config(k, batch_sizes=(3,))
+    outputs = {name: Generator(target, model_draft, config, device="cuda").generate(requests)
+               for name, model_draft in (("speculative", draft), ("target-only", None))}
+    for name, out in outputs.items():
+        assert [r.token_ids for r in out.requests] == wants, f"k={k}, {name}"
+    assert 0.3 < outputs["speculative"].metrics.acceptance_rate < 1.0  # accepted and rejected drafts both occur
+
+
+@pytest.mark.cuda
 def test_cuda_many_refills_keep_outputs_exact():
     # Many requests with long prompts and few new tokens through 3 slots: most admissions queue behind rounds the
     # host has not read yet and reuse the blocks of requests that just stopped. The dense cache-free reference
@@ -1063,13 +1079,15 @@ def test_command_json_on_the_random_model(capsys):
 def test_command_stops_on_the_tokenizers_and_the_checkpoints_eos_ids():
     from types import SimpleNamespace
 
-    from specdec_ops.generate import _eos_ids, _text
+    from specdec_ops.generate import _eos_ids
+    from specdec_ops.runtime.generator import decode_generated
 
     target = SimpleNamespace(vocab_size=100, config=SimpleNamespace(eos_token_ids=(5, 9, 2, 100)))
     tokenizer = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens: " ".join(map(str, ids)))
     assert _eos_ids(target, tokenizer) == [2, 5, 9]  # the out-of-vocabulary 100 dropped
     assert _eos_ids(SimpleNamespace(vocab_size=100, config=SimpleNamespace()), tokenizer) == [2]
-    assert _text(tokenizer, [3, 4, 9], [2, 5, 9]) == "3 4" and _text(tokenizer, [9, 3], [2, 5, 9]) == "9 3"
+    assert decode_generated(tokenizer, [3, 4, 9], [2, 5, 9]) == "3 4"
+    assert decode_generated(tokenizer, [9, 3], [2, 5, 9]) == "9 3"
 
 
 class LetterTokenizer:
@@ -1077,8 +1095,39 @@ class LetterTokenizer:
 
     eos_token_id = 25
 
+    def encode(self, text: str) -> list[int]:
+        return [ord(letter) - 97 for letter in text]
+
     def decode(self, ids, *, skip_special_tokens: bool = False):
         return "".join(chr(97 + t % 26) for t in ids if not (skip_special_tokens and t == 25))
+
+
+def test_text_prompts_and_outputs_with_a_tokenizer(target, draft):
+    """With a tokenizer, a request's prompt may be text (encoded as given) and every output carries its generated
+    text: the same tokens as the prompt's ids give, decoded without special tokens and a closing EOS."""
+    from specdec_ops.runtime.generator import decode_generated
+
+    tokenizer = LetterTokenizer()
+    prompts = ["hello", "speculative", "a", "decodingdrafts"]
+    # The first request stops at an EOS: its third greedy token, made an end-of-sequence id beside 25.
+    eos = [25, greedy_reference(target, tokenizer.encode(prompts[0]), 9)[2]]
+    with_text = Generator(target, draft, small_config(3), device="cpu", compile=False, tokenizer=tokenizer)
+    by_text = with_text.generate([Request(p, 9, eos_token_id=eos) for p in prompts])
+    by_ids = Generator(target, draft, small_config(3), device="cpu", compile=False).generate(
+        [Request(tokenizer.encode(p), 9, eos_token_id=eos) for p in prompts])
+    for prompt, text_out, ids_out in zip(prompts, by_text.requests, by_ids.requests):
+        assert text_out.prompt_ids == tokenizer.encode(prompt) == ids_out.prompt_ids
+        assert text_out.token_ids == ids_out.token_ids and ids_out.text is None
+        ends_at_eos = text_out.finish_reason == "eos"
+        assert text_out.text == tokenizer.decode(text_out.token_ids[:-1] if ends_at_eos else text_out.token_ids,
+                                                 skip_special_tokens=True)
+    assert by_text.requests[0].finish_reason == "eos" and by_text.requests[0].token_ids[-1] == eos[1]
+    assert decode_generated(tokenizer, [7, 0, 25], [25]) == "ha"  # EOS 25 closes it; an inner 25 is special
+    assert decode_generated(tokenizer, [7, 25, 0], [25]) == "ha"
+    with pytest.raises(ValueError, match=r"requests\[0\]\.prompt_ids is text; the Generator has no tokenizer"):
+        Generator(target, draft, small_config(3), device="cpu", compile=False).generate([Request("abc", 3)])
+    with pytest.raises(ValueError, match="tokenizer must have encode and decode"):
+        Generator(target, draft, small_config(3), device="cpu", compile=False, tokenizer=object())
 
 
 def test_stop_strings_end_requests_at_the_token_that_completes_them(target, draft, capsys):
@@ -1180,7 +1229,8 @@ def test_command_with_checkpoint_directories(tmp_path, capsys):
     # A draft of another vocabulary, and --draft-layers beside --draft, are refused with what was expected.
     other = save_tiny_checkpoint(tmp_path / "other", layers=1, vocab=80)
     assert main(["--target", str(target), "--draft", str(other), "--prompt", "w5"]) == 2
-    assert "vocabulary" in capsys.readouterr().err
+    assert (f"the target's ({target}) vocab_size is 64, the draft's ({other}) is 80"
+            in capsys.readouterr().err)
     renamed = save_tiny_checkpoint(tmp_path / "renamed", layers=1, word="v")  # same size, other tokens
     assert main(["--target", str(target), "--draft", str(renamed), "--prompt", "w5"]) == 2
     assert "its tokenizer differs from the target's: token 'v10' has id None in the target's and 10" in \

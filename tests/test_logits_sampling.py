@@ -632,7 +632,8 @@ def draft_cpp(args, probs=None, **_):
 def draft_triton(args, probs=None, block_v=None, **launch):
     if HAS_CUDA:
         cuda_probs = None if probs is None else torch.empty_like(probs, device="cuda")
-        out = kernels._launch_draft(*(a.cuda() for a in args), cuda_probs, block_v=block_v, **launch).cpu()
+        out = kernels._launch_draft(*(None if a is None else a.cuda() for a in args), cuda_probs, block_v=block_v,
+                                    **launch).cpu()
         if probs is not None:
             probs.copy_(cuda_probs.cpu())
         return out
@@ -663,6 +664,136 @@ def test_sample_draft_filtered_matches_reference(kernel, params, dtype):
     assert torch.equal(kernel(args, probs, block_v=16), expected)
     torch.testing.assert_close(probs, expected_probs, rtol=1e-5, atol=1e-7)
     assert (expected_probs.gather(1, expected[:, None]) > 0).all()  # the token is in the kept set
+
+
+DRAFT_PROBS_TOL = dict(rtol=1e-5, atol=1e-7)  # the draft's q against the reference's, as in the tests above
+
+
+def check_draft_against_reference(kernel, args):
+    """Both overloads of sample_draft_filtered equal the reference: the default one (no probs) and .with_probs
+    (probs=, a buffer prefilled with -1, so every entry must be written), the latter in blocks of 16 (V is not a
+    multiple of 16 in the callers; the default overload takes the launcher's default block, larger than V).
+    Tokens exactly, probs within DRAFT_PROBS_TOL; the token lies in the reference's kept set."""
+    rows, vocab = args[0].shape
+    expected_probs = torch.empty(rows, vocab)
+    expected = specdec_ops.sample_draft_filtered_reference(*args, probs=expected_probs)
+    got = kernel(args)
+    assert got.dtype == torch.int64 and torch.equal(got, expected), (got, expected)
+    probs = torch.full((rows, vocab), -1.0)
+    got = kernel(args, probs, block_v=16)
+    assert torch.equal(got, expected), (got, expected)
+    torch.testing.assert_close(probs, expected_probs, **DRAFT_PROBS_TOL)
+    assert (expected_probs.gather(1, expected[:, None]) > 0).all()
+    return expected, expected_probs
+
+
+@pytest.mark.parametrize("kernel", DRAFT_KERNELS)
+@pytest.mark.parametrize("name", list(EDGES))
+def test_sample_draft_filtered_edge_parameters(kernel, name):
+    """sample_draft_filtered over each of EDGES alone (top_k of 1 and of V, top_p tiny and 1, min_p near 1, every
+    filter, all-greedy): coarse-grid logits (ties) with -inf entries, V = 45 (not a multiple of the block), and
+    row 0 all -inf but 3 entries (two of them tied at the max)."""
+    rows, vocab = 6, 45
+    args = list(make_draft_case(300 + len(name), rows, vocab))
+    logits = args[0].clone()
+    logits[0] = NEG_INF
+    logits[0, [4, 30, 44]] = torch.tensor([1.5, 1.5, 0.5])
+    args[0] = logits
+    temperature, top_k, top_p, min_p = EDGES[name]
+    args[1] = torch.full((rows,), temperature)
+    args[2] = torch.full((rows,), vocab if top_k == "V" else top_k, dtype=torch.int32)
+    args[3] = torch.full((rows,), top_p)
+    args[4] = torch.full((rows,), min_p)
+    assert (logits == NEG_INF).any(-1).all() and (logits == logits.amax(-1, keepdim=True)).sum(-1).max() > 1
+    tokens, probs = check_draft_against_reference(kernel, tuple(args))
+    at_max = logits == logits.amax(-1, keepdim=True)
+    if name in ("top_k_1", "top_p_tiny", "min_p_near_1"):
+        assert ((probs > 0) == at_max).all()  # only the tokens tied with the row max are kept
+    if name == "all_greedy":
+        assert torch.equal(tokens, logits.argmax(-1))  # the first argmax among ties
+    assert (probs[torch.isinf(logits)] == 0).all()  # -inf entries have probability 0
+
+
+@pytest.mark.parametrize("kernel", DRAFT_KERNELS)
+def test_sample_draft_filtered_ties_at_the_cut_off(kernel):
+    """The rows of test_ties_at_the_cut_off for the draft op: the k-th largest (top_k 3 and 8) and the top-p
+    boundary (0.5) fall inside runs of equal logits, and a greedy row's max is tied; odd rows have -inf in place of
+    the tail of zeros. V = 24 (not a multiple of the block), 4 rows per parameter set, each its own seed."""
+    vocab, per = 24, 4
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for s in range(4 * per):
+        tail = 0.0 if s % 2 == 0 else NEG_INF
+        row = torch.tensor([4.0] * 2 + [3.0] * 5 + [2.0] * 7 + [tail] * 10)
+        rows.append(row[torch.randperm(vocab, generator=gen)])
+    logits = torch.stack(rows)
+    n = logits.shape[0]
+    repeat = lambda values, dtype=None: torch.tensor(values, dtype=dtype).repeat_interleave(per)  # noqa: E731
+    args = (logits, repeat([1.0, 1.0, 1.0, 0.0]), repeat([3, 8, 0, 0], torch.int64), repeat([1.0, 1.0, 0.5, 1.0]),
+            torch.zeros(n), torch.arange(n) * 7919 + 1, torch.arange(n) * 13)
+    tokens, probs = check_draft_against_reference(kernel, args)
+    kept = (probs > 0).sum(-1)
+    assert kept.tolist() == [7] * per + [14] * per + [7] * per + [1] * per
+    assert torch.equal(tokens[3 * per:], logits[3 * per:].argmax(-1))  # the first of the two tied maxima
+
+
+FILTERS = ("top_k", "top_p", "min_p")
+NONE_CASES = {"all": ("top_k", "top_p", "min_p"), "top_k": ("top_k",), "top_p": ("top_p",), "min_p": ("min_p",),
+              "top_k_and_top_p": ("top_k", "top_p")}
+
+
+def filters_as(args, names, as_none: bool, first: int = 5):
+    """args with the named filters replaced by None, or by their off values in every row. first: the index of
+    top_k (then top_p, min_p) in args: 5 in make_case's tuple, 2 in make_draft_case's."""
+    args = list(args)
+    batch = args[0].shape[0]
+    off = {"top_k": torch.zeros(batch, dtype=torch.int32), "top_p": torch.ones(batch), "min_p": torch.zeros(batch)}
+    for name in names:
+        args[first + FILTERS.index(name)] = None if as_none else off[name]
+    return tuple(args)
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("the filter pass was launched although every filter is None")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", list(NONE_CASES))
+def test_filters_given_as_none_are_off(kernel, case, monkeypatch):
+    """A filter passed as None is off for every request: every overload gives the tokens, counters and logprobs of
+    its off value in every row (top_k 0, top_p 1, min_p 0), token-wise and with block verification, the reference
+    alike. The other filters stay on (mixed parameters, some rows filtered). The Triton kernels also run with rows
+    of 3 chunks and the filter pass unfused (its own launch: min-p alone with the histograms compiled out); with all
+    three None that launch must not happen."""
+    if kernel is run_triton and case == "all":
+        monkeypatch.setattr(kernels, "_filter_kernel", _NoLaunch())
+    for draft in ("logits", "probs"):
+        args = make_case(23 + len(case), 5, 3, 41, params="mixed", draft=draft)
+        for block in (False, True):
+            expected, expected_lp = reference(filters_as(args, NONE_CASES[case], False), block, logprobs=True)
+            got, got_lp = check_against_reference(kernel, filters_as(args, NONE_CASES[case], True), block)
+            assert torch.equal(got, expected)
+            torch.testing.assert_close(got_lp, expected_lp, **LOGPROB_TOL)
+            if kernel is run_triton:
+                check_against_reference(kernel, filters_as(args, NONE_CASES[case], True), block, block_v=16,
+                                        num_chunks=3, fused_filter=False)
+
+
+@pytest.mark.parametrize("kernel", DRAFT_KERNELS)
+@pytest.mark.parametrize("case", list(NONE_CASES))
+def test_sample_draft_filtered_filters_given_as_none_are_off(kernel, case):
+    """sample_draft_filtered with filters passed as None: the tokens and q of their off values in every row."""
+    rows, vocab = 9, 40
+    args = make_draft_case(5 + len(case), rows, vocab)
+    with_none = filters_as(args, NONE_CASES[case], True, first=2)
+    with_off = filters_as(args, NONE_CASES[case], False, first=2)
+    expected_probs = torch.empty(rows, vocab)
+    expected = specdec_ops.sample_draft_filtered_reference(*with_off, probs=expected_probs)
+    assert torch.equal(specdec_ops.sample_draft_filtered_reference(*with_none), expected)
+    tokens, probs = check_draft_against_reference(kernel, tuple(with_none))
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(probs, expected_probs, **DRAFT_PROBS_TOL)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -848,22 +979,38 @@ def test_check_sampling_params():
 # --- opcheck and torch.compile -----------------------------------------------------------------------------------
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def on(device, args):
+    return tuple(None if a is None else a.to(device) for a in args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("draft", ["logits", "probs", "none"])
-def test_opcheck_every_overload(draft):
-    args = make_case(2, 3, 2, 16, draft=draft)
+@pytest.mark.parametrize("filters", ["given", "none"])
+def test_opcheck_every_overload(device, draft, filters):
+    """The C++ CPU kernel and, on CUDA, the Triton one, with the filters given and passed as None."""
+    args = on(device, make_case(2, 3, 2, 16, draft=draft))
+    if filters == "none":
+        args = filters_as(args, NONE_CASES["all"], True)
+    counters = torch.zeros(3, dtype=torch.int64, device=device)
     op = torch.ops.specdec.rejection_sample_logits
     torch.library.opcheck(op.default, (*args, False))
-    torch.library.opcheck(op.counted, (*args, True, torch.zeros(3, dtype=torch.int64)))
+    torch.library.opcheck(op.counted, (*args, True, counters))
     torch.library.opcheck(op.logprobs, (*args, True))
-    torch.library.opcheck(op.logprobs_counted, (*args, False, torch.zeros(3, dtype=torch.int64)))
+    torch.library.opcheck(op.logprobs_counted, (*args, False, counters.clone()))
 
 
-def test_opcheck_sample_draft_filtered():
-    args = make_draft_case(3, 4, 16)
-    torch.library.opcheck(torch.ops.specdec.sample_draft_filtered.default, args)
-    torch.library.opcheck(torch.ops.specdec.sample_draft_filtered.with_probs, (*args, torch.empty(4, 16)))
-    buf = torch.zeros(4, 3, 16)
-    torch.library.opcheck(torch.ops.specdec.sample_draft_filtered.with_probs, (*args, buf[:, 1, :]))
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_sample_draft_filtered(device):
+    args = on(device, make_draft_case(3, 4, 16))
+    op = torch.ops.specdec.sample_draft_filtered
+    for given in (args, (*args[:2], None, None, None, *args[5:])):
+        torch.library.opcheck(op.default, given)
+        torch.library.opcheck(op.with_probs, (*given, torch.empty(4, 16, device=device)))
+        buf = torch.zeros(4, 3, 16, device=device)
+        torch.library.opcheck(op.with_probs, (*given, buf[:, 1, :]))
 
 
 def draft_then_verify(draft_logits, target_logits, temperature, top_k, top_p, min_p, seeds, positions, counters,
@@ -880,11 +1027,18 @@ def draft_then_verify(draft_logits, target_logits, temperature, top_k, top_p, mi
     return out, logprobs, q
 
 
-def test_compile_fullgraph_equals_eager():
-    target, _, _, draft_logits, temperature, top_k, top_p, min_p, seeds, offsets = make_case(9, 5, 3, 30)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("filters", ["given", "none"])
+def test_compile_fullgraph_equals_eager(device, filters):
+    args = on(device, make_case(9, 5, 3, 30))
+    if filters == "none":
+        args = filters_as(args, NONE_CASES["all"], True)
+    target, _, _, draft_logits, temperature, top_k, top_p, min_p, seeds, offsets = args
     draft_logits = draft_logits.contiguous()
+    torch._dynamo.reset()  # a fresh trace per parametrization
     for block in (False, True):
-        eager_counters, compiled_counters = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+        eager_counters = torch.zeros(3, dtype=torch.int64, device=device)
+        compiled_counters = torch.zeros(3, dtype=torch.int64, device=device)
         eager = draft_then_verify(draft_logits, target, temperature, top_k, top_p, min_p, seeds, offsets,
                                   eager_counters, block)
         compiled = torch.compile(draft_then_verify, fullgraph=True)(

@@ -166,7 +166,10 @@ def test_dense_forward_matches_transformers(hf_checkpoint):
         torch.testing.assert_close(ours, hf_logits(hf, ids), atol=LOGITS_ATOL, rtol=0)
 
 
-def test_paged_prefill_decode_verify_match_transformers(hf_checkpoint):
+def paged_prefill_decode_verify(hf_checkpoint):
+    """The ragged prefill, 3 decode steps and one verify step of k = 4 drafts + 1, each step's logits checked
+    against transformers'. Returns (hf, runner, rows, sequences, gen, k, starts): starts[i] is the position of
+    request i's first token in that verify step."""
     _, path, hf = hf_checkpoint
     model = load_model(path, dtype=torch.float32, )
     model.attention_backend = "reference"
@@ -205,6 +208,49 @@ def test_paged_prefill_decode_verify_match_transformers(hf_checkpoint):
     for i in range(len(prompts)):
         torch.testing.assert_close(logits[i * (k + 1): (i + 1) * (k + 1)], expect(i, k + 1), atol=LOGITS_ATOL,
                                    rtol=0)
+    starts = [len(seq) - (k + 1) for seq in sequences]
+    return hf, runner, rows, sequences, gen, k, starts
+
+
+def test_paged_prefill_decode_verify_match_transformers(hf_checkpoint):
+    paged_prefill_decode_verify(hf_checkpoint)
+
+
+def test_paged_verify_after_rejections_overwrites_kv_and_matches_transformers(hf_checkpoint):
+    """After the first verify step, 3 more as speculative decoding runs them: each request accepts a seeded random
+    number a of its k drafts (0..k), so the next verify step starts at position start + 1 + a, its k + 1 tokens
+    written over the KV of the rejected positions in the paged cache (the blocks stay allocated). Every new token
+    differs from the one it replaces at its position (the rejected draft), so KV left from a rejected token would
+    change the logits. Each step's logits equal transformers' on the whole sequence (the accepted prefix plus the
+    new tokens) from scratch, within LOGITS_ATOL (1e-4 absolute, fp32). Requests of different lengths (prompts of
+    7, 1, 23 and 12 tokens, then different accepted counts); block_size 4, so rewinds cross block boundaries."""
+    hf, runner, rows, sequences, gen, k, starts = paged_prefill_decode_verify(hf_checkpoint)
+    vocab = hf.config.vocab_size
+    overwritten = 0
+    for step in range(3):
+        accepted = torch.randint(0, k + 1, (len(rows),), generator=gen).tolist()
+        accepted[step % len(rows)] = min(accepted[step % len(rows)], k - 1)  # a rejection in every step
+        new = []
+        for i, (row, a) in enumerate(zip(rows, accepted)):
+            start = starts[i] + 1 + a
+            stale = sequences[i][start:]  # the rejected drafts, at positions start .. start + k - 1 - a
+            overwritten += len(stale)
+            tokens = torch.randint(0, vocab, (k + 1,), generator=gen).tolist()
+            tokens = [(t + 1 + int(torch.randint(0, vocab - 1, (1,), generator=gen))) % vocab  # any other id
+                      if j < len(stale) and t == stale[j] else t for j, t in enumerate(tokens)]
+            assert all(t != old for t, old in zip(tokens, stale))
+            del sequences[i][start:]
+            sequences[i].extend(tokens)
+            runner.lengths[row] = start  # rewind: the next tokens go to the rejected positions' slots
+            starts[i] = start
+            new.append(tokens)
+        logits = runner.step([(r, k + 1) for r in rows], [t for ts in new for t in ts], num_pad_tokens=k + 1,
+                             uniform_query_len=k + 1)
+        for i, seq in enumerate(sequences):
+            torch.testing.assert_close(logits[i * (k + 1): (i + 1) * (k + 1)], hf_logits(hf, seq)[-(k + 1):],
+                                       atol=LOGITS_ATOL, rtol=0, msg=lambda m: f"step {step}, request {i}, "
+                                       f"accepted {accepted[i]}, start {starts[i]}: {m}")
+    assert overwritten >= 3
 
 
 def test_paged_path_through_triton_kernel_matches_transformers(hf_checkpoint, monkeypatch):

@@ -143,6 +143,10 @@ def _logits_cases(device):
         (rs, lambda: verify(**param("top_p", 1, nan)), "top_p", "index 1 holds nan"),
         (rs, lambda: verify(**param("min_p", 0, -0.1)), "min_p", "index 0"),
         (rs, lambda: verify(**param("min_p", 2, 1.5)), "min_p", "index 2 holds 1.5"),
+        # Filters given as None (off for the batch) are skipped by the checks; the others still run.
+        (rs, lambda: verify(top_k=None, top_p=None, min_p=None, **param("temperature", 2, -0.5)), "temperature",
+         "index 2 holds -0.5"),
+        (rs, lambda: verify(top_k=None, min_p=None, **param("top_p", 0, 1.5)), "top_p", "index 0 holds 1.5"),
         (sd, lambda: draft(logits=with_bad(row_logits, (1, 6), nan)), "logits", "(1, 6)"),
         (sd, lambda: draft(logits=with_bad(row_logits, (0, 2), inf), probs=torch.empty(B, V, device=device)),
          "logits", "(0, 2) holds inf"),
@@ -154,6 +158,7 @@ def _logits_cases(device):
          "index 2 holds 2.0"),
         (sd, lambda: draft(**param("min_p", 1, nan)), "min_p", "index 1 holds nan"),
         (sd, lambda: draft(**param("min_p", 0, 1.01)), "min_p", "index 0"),
+        (sd, lambda: draft(top_k=None, top_p=None, **param("min_p", 0, 1.01)), "min_p", "index 0"),
         (sd, lambda: draft(positions=torch.tensor([0, -4, 2], device=device)), "positions", "index 1 holds -4"),
     ]
 
@@ -228,9 +233,11 @@ def test_good_inputs_pass_and_match_the_unchecked_result(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_logits_ops_good_inputs_pass_and_match_the_unchecked_result(device):
+@pytest.mark.parametrize("filters", ["given", "none"])
+def test_logits_ops_good_inputs_pass_and_match_the_unchecked_result(device, filters):
     """rejection_sample_logits (every overload, both modes, each draft distribution) and sample_draft_filtered
-    (both overloads) with valid inputs, the edges of every range included: no error, results as without the mode."""
+    (both overloads) with valid inputs, the edges of every range included, the filters given or passed as None: no
+    error, results as without the mode."""
     gen = torch.Generator().manual_seed(11)
     target = torch.randn(B, K + 1, V, generator=gen).to(device)
     target[0, 1, 2] = float("-inf")  # a masked token is fine
@@ -239,6 +246,8 @@ def test_logits_ops_good_inputs_pass_and_match_the_unchecked_result(device):
     ids = torch.randint(0, V, (B, K), generator=gen).to(device)
     params = (torch.tensor([0.7, 0.0, 1.3], device=device), torch.tensor([0, 3, V + 2], device=device),
               torch.tensor([1.0, 0.5, 1e-6], device=device), torch.tensor([0.0, 1.0, 0.3], device=device))
+    if filters == "none":
+        params = (params[0], None, None, None)
     seeds = torch.arange(B, device=device)
     offsets = torch.tensor([0, 5, 2**40], device=device)
 

@@ -24,16 +24,17 @@ memset; graph-capturable, no host sync).
    division rounds monotonically), S, the argmax (lowest index on ties), and for a filtered row the lower bound
    of its candidates: the shallowest bin boundary at which the aligned histograms count top_k entries (top-k on),
    or at which a lower bound of the mass reaches top_p * S (top-p alone); tau holds that bound until pass 2.
-2. `_filter_kernel` (rows no filter touches return at once; run by the statistics pass's last program instead
-   when one program covers a row, so that no launch is spent on unfiltered rows): every program appends the z of
-   its chunks' entries at or above the bound to the row's candidates (an atomic slot counter; at most CAP are
-   stored); the last program sorts them in registers (tl.sort, tl.cumsum; SMALL_CAP entries when there are that
-   few, else CAP: the size is a function of the row alone) and finds tau_k, M_k, tau_p and S exactly, ties at the
-   cut-off kept, as the contract says. The bound is only a guess: the finish checks that the candidates (an upper
-   set of z) hold the kept set (at least top_k of them, or a mass reaching top_p * M_k); a row that fails, or has
-   more than CAP candidates (top-p over a flat distribution), takes the full threshold search in that program
-   (`_search_fallback_tl`: passes of NUM_PROBES candidate thresholds over the row until the key is exact, then a
-   pass for S). min-p alone needs no search: the chunks' kept masses are summed in chunk order.
+2. `_filter_kernel` (rows no filter touches return at once; run by the statistics pass's last program instead when
+   one program covers a row, so that no launch is spent on unfiltered rows; neither runs when the call passes None
+   for top_k, top_p and min_p, and with top_k and top_p both None the histograms are compiled out of pass 1): every
+   program appends the z of its chunks' entries at or above the bound to the row's candidates (an atomic slot
+   counter; at most CAP are stored); the last program sorts them in registers (tl.sort, tl.cumsum; SMALL_CAP entries
+   when there are that few, else CAP: the size is a function of the row alone) and finds tau_k, M_k, tau_p and S
+   exactly, ties at the cut-off kept, as the contract says. The bound is only a guess: the finish checks that the
+   candidates (an upper set of z) hold the kept set (at least top_k of them, or a mass reaching top_p * M_k); a row
+   that fails, or has more than CAP candidates (top-p over a flat distribution), takes the full threshold search in
+   that program (`_search_fallback_tl`: passes of NUM_PROBES candidate thresholds over the row until the key is
+   exact, then a pass for S). min-p alone needs no search: the chunks' kept masses are summed in chunk order.
 3. Token-wise verification, `_race_verify_kernel` over (B, chunks): every program evaluates the k accept tests
    (p(x), q(x) from the statistics and one logit each), races its chunk of the rejected/bonus row j with the
    segmented race of specdec_ops/ops/sampling.py and folds its winner (key bits, V-1-token) into the request's
@@ -66,7 +67,7 @@ from .counter_hash import row_state_tl as _row_state_tl
 from .counters import add_counters_tl
 from .geometry import LOGITS_SAMPLING
 from .sampling import _segment_block_tl, _segment_pick_tl, _segment_race_start_tl, _segment_race_tl
-from .scratch import sm_count, zeroed_scratch
+from .scratch import filter_off_values, sm_count, zeroed_scratch
 from .ticket import reset_ticket_tl, take_ticket_tl
 
 @triton.jit
@@ -336,6 +337,7 @@ def _stats_kernel(
     HAS_DRAFT_LOGITS: tl.constexpr, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
     NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, BLOCK_C: tl.constexpr, FUSED_FILTER: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr,
+    FILTERS: tl.constexpr,
 ):
     """Row g = b * rows_per_request + r (target row r <= k, else draft row r - k - 1), program p: the statistics of
     chunks p * chunks_per_program .. (p + 1) * chunks_per_program - 1 (of num_chunks, each chunk_len entries) into
@@ -343,7 +345,8 @@ def _stats_kernel(
     row's last program combines them in chunk order into stats [g] = (m, tau, S, argmax): tau is -inf's key, or for
     a filtered row the lower bound of the filter pass's candidates; with one-block chunks S holds only for a random
     row and the argmax only for a greedy row, the one each reads. FUSED_FILTER: that program then runs the filter
-    pass over the whole row itself (no `_filter_kernel` launch)."""
+    pass over the whole row itself (no `_filter_kernel` launch). FILTERS: top_k or top_p was given (else no row
+    is filtered, and the histograms are compiled out)."""
     g = tl.program_id(0).to(tl.int64)
     num_programs = tl.num_programs(1)
     c_first = tl.program_id(1) * chunks_per_program
@@ -356,7 +359,7 @@ def _stats_kernel(
     top_k = tl.load(top_k_ptr + b * top_k_stride).to(tl.int64)
     top_p = tl.load(top_p_ptr + b * top_p_stride)
     k_on = (top_k > 0) & (top_k < vocab)
-    filtered = is_random & (k_on | (top_p < 1.0))
+    filtered = is_random & (k_on | (top_p < 1.0)) & FILTERS
     if r <= k:
         _span_stats_tl(target_ptr + b * t_stride_b + r * t_stride_i, g, c_first, c_last, num_chunks, chunk_len, vocab,
                        t, partial_ptr, hist_ptr, filtered, is_random, CHUNK_IS_BLOCK, BLOCK_V, NUM_STAGES, NUM_BINS,
@@ -977,6 +980,13 @@ def _statistics_grid(rows, num_chunks, device, chunks_per_program=None):
     return chunks_per_program, triton.cdiv(num_chunks, chunks_per_program)
 
 
+def _given_or_off(top_k, top_p, min_p, batch, device):
+    """The filter tensors, one passed as None (off for the whole batch) replaced by its off value read with
+    stride 0 (a persistent tensor: no launch)."""
+    off = filter_off_values(device)
+    return tuple(off[i].expand(batch) if t is None else t for i, t in enumerate((top_k, top_p, min_p)))
+
+
 def _gather_cap(device, gather_cap):
     # The interpreter's sort is slow; its small cap also makes the CPU tests run both the gather and the full search.
     return gather_cap or (LOGITS_SAMPLING["cap"] if device.type == "cuda" else 32)
@@ -987,7 +997,8 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     """stats int32 [rows, 4] = (m, tau, S, argmax) of every logit row: target [B, R, V] rows r <= k, then the draft
     logits [B, k, V] (or None) as rows k+1 .. 2k. The statistics pass, then the filter pass: a launch of its own, or
     run by each row's last statistics program (fused_filter True; by default, LOGITS_SAMPLING["fused_filter"]: 2
-    fuses when one program covers a row)."""
+    fuses when one program covers a row). A filter passed as None is off for every row; with all three None no
+    filter pass runs."""
     geometry = LOGITS_SAMPLING
     batch, _, vocab = target.shape
     device = target.device
@@ -1007,8 +1018,13 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     # between calls.
     workspace = zeroed_scratch(device, 3 * rows)
     block_c = triton.next_power_of_2(num_chunks)
+    filters = top_k is not None or top_p is not None
+    # No filter given: the statistics are final, and no filter pass runs (not even one that returns at once).
+    filter_pass = filters or min_p is not None
     if fused_filter is None:
         fused_filter = geometry["fused_filter"] == 1 or (geometry["fused_filter"] == 2 and programs == 1)
+    fused_filter = bool(fused_filter) and filter_pass
+    top_k, top_p, min_p = _given_or_off(top_k, top_p, min_p, batch, device)
     params = (temperature, top_k, top_p, min_p)
     param_strides = (temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0))
     # The interpreter's cap is small (_gather_cap); a quarter of it keeps both sorts in the CPU tests.
@@ -1020,9 +1036,9 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
         target, draft, *params, stats, partial, hist, workspace[2 * rows:], candidates, kept_mass, workspace, *common,
         HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v, BLOCK_V=block_v,
         NUM_STAGES=geometry["num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
-        BLOCK_C=block_c, FUSED_FILTER=bool(fused_filter), **search, num_warps=geometry["stats_num_warps"],
+        BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters, **search, num_warps=geometry["stats_num_warps"],
     )
-    if not fused_filter:
+    if filter_pass and not fused_filter:
         _filter_kernel[grid](
             target, draft, *params, stats, candidates, kept_mass, workspace, *common,
             HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"], BLOCK_C=block_c,
@@ -1047,6 +1063,7 @@ def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits,
     num_rows = k + 1 + (k if has_logits else 0)
     stats = _row_statistics(target_logits, draft_logits, k, num_rows, temperature, top_k, top_p, min_p, block_v,
                             num_chunks, gather_cap, fused_filter, chunks_per_program)
+    min_p = _given_or_off(top_k, top_p, min_p, batch, device)[2]
     q = draft_probs if has_probs else (draft_logits if has_logits else target_logits)
     q_strides = (q.stride(0), q.stride(1)) if (has_probs or has_logits) else (0, 0)
     common = (k, vocab, num_rows)
@@ -1140,6 +1157,7 @@ def _launch_draft(logits, temperature, top_k, top_p, min_p, seeds, positions, pr
     with_probs = probs is not None
     stats = _row_statistics(logits[:, None], None, 0, 1, temperature, top_k, top_p, min_p, block_v, num_chunks,
                             gather_cap, fused_filter, chunks_per_program)
+    min_p = _given_or_off(top_k, top_p, min_p, rows, logits.device)[2]
     block_v, chunk_len, num_chunks = _plan(rows, vocab, logits.device, block_v, num_chunks)
     workspace = zeroed_scratch(logits.device, 2 * rows)  # per row: the packed race maximum and a ticket
     _draft_race_kernel[(rows, num_chunks)](

@@ -56,3 +56,21 @@ def _in_default_pool(t: torch.Tensor) -> bool:
         if segment["address"] <= address < segment["address"] + segment["total_size"]:
             return tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0)
     return False
+
+
+_filter_off: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def filter_off_values(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Persistent one-entry tensors of the filters' off values on `device`: top_k 0 (int64), top_p 1.0 and min_p
+    0.0 (float32), which the logits samplers read (with stride 0) for a filter the caller passed as None. Never
+    written. Built during a CUDA-graph capture, they serve that call only, as `zeroed_scratch` explains."""
+    values = _filter_off.get(device)
+    if values is not None:
+        return values
+    values = (torch.zeros(1, dtype=torch.int64, device=device), torch.ones(1, device=device),
+              torch.zeros(1, device=device))
+    if device.type == "cuda" and (torch.cuda.is_current_stream_capturing() or not _in_default_pool(values[0])):
+        return values
+    _filter_off[device] = values
+    return values

@@ -425,11 +425,16 @@ def load_model(path, *, dtype: torch.dtype | str | None = None, device: torch.de
     raise ValueError(f"load_model: {path} is neither a directory nor a .gguf file")
 
 
-def check_draft_matches_target(target, draft) -> None:
-    """Raises ValueError when the draft's vocabulary size differs from the target's (both are named)."""
+def check_draft_matches_target(target, draft, *, target_path=None, draft_path=None) -> None:
+    """Raises ValueError when the draft's vocabulary size differs from the target's (both are named, with the
+    checkpoints' paths when given)."""
     if int(target.vocab_size) != int(draft.vocab_size):
-        raise ValueError(f"draft/target vocabulary mismatch: the target's vocab_size is {target.vocab_size}, "
-                         f"the draft's is {draft.vocab_size}; speculative decoding needs the same vocabulary")
+        def named(role, path):
+            return f"the {role}'s" if path is None else f"the {role}'s ({path})"
+
+        raise ValueError(f"draft/target vocabulary mismatch: {named('target', target_path)} vocab_size is "
+                         f"{target.vocab_size}, {named('draft', draft_path)} is {draft.vocab_size}; speculative "
+                         f"decoding needs the same vocabulary")
 
 
 def smollm2_gguf_path() -> pathlib.Path:

@@ -7,7 +7,9 @@ imports triton; the CPU kernels are csrc/logits_sampling.cpp, the CUDA kernels s
 
 The processed distribution
 --------------------------
-Every request b has its sampling parameters: ``temperature[b]``, ``top_k[b]``, ``top_p[b]``, ``min_p[b]``. A logit
+Every request b has its sampling parameters: ``temperature[b]``, ``top_k[b]``, ``top_p[b]``, ``min_p[b]``; a filter
+passed as None is off for every request (the same result as its off value in every row, and on the GPU no filter
+pass runs when all three are None: engines pass None when no request of the batch sets a filter). A logit
 row x (float32, whatever the input dtype) of that request is turned into the distribution that is sampled, for the
 target and the draft alike:
 
@@ -91,7 +93,8 @@ Inputs: ``target_logits`` [B, k+1, V] float32/bfloat16/float16; ``draft_token_id
 ids outside [0, V) are rejected: never accepted nor emitted; every id is clamped into [0, V) before any load or
 logprob computation, so that no input value reads out of bounds); ``draft_probs`` [B, k, V]
 float32/bfloat16/float16 or None; ``draft_logits`` [B, k, V] float32/bfloat16/float16 or None (at most one of the
-two); ``temperature`` [B] float32; ``top_k`` [B] int32/int64; ``top_p`` [B] float32; ``min_p`` [B] float32;
+two); ``temperature`` [B] float32; ``top_k`` [B] int32/int64; ``top_p`` [B] float32; ``min_p`` [B] float32 (each
+of the three filters, or None);
 ``seeds`` and ``offsets`` [B] int64. The
 [B, ., V] tensors need a unit last stride (any other strides, a batch stride of 0 included); the [B] tensors may
 have any stride. Rows with NaN or +inf logits, or all -inf, give unspecified tokens, always in [0, V).
@@ -128,9 +131,9 @@ def rejection_sample_logits(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
     temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
     seeds: torch.Tensor,
     offsets: torch.Tensor,
     *,
@@ -146,9 +149,9 @@ def rejection_sample_logits(
         target_logits: [B, k+1, V] float32/bfloat16/float16, unit last stride; row k is the bonus position.
         draft_token_ids: [B, k] int32/int64, unit last stride.
         temperature: [B] float32; <= 0 (or NaN) is a greedy request.
-        top_k: [B] int32/int64; <= 0 or >= V is off.
-        top_p: [B] float32; >= 1 (or NaN) is off.
-        min_p: [B] float32; <= 0 (or NaN) is off.
+        top_k: [B] int32/int64; <= 0 or >= V is off. None: off for every request.
+        top_p: [B] float32; >= 1 (or NaN) is off. None: off for every request.
+        min_p: [B] float32; <= 0 (or NaN) is off. None: off for every request.
         seeds: [B] int64.
         offsets: [B] int64, the position of the first draft token in the random streams. Advance it every round:
             token-wise, by at least the number of emitted tokens (as rejection_sample); with block_verification,
@@ -179,9 +182,9 @@ def rejection_sample_logits(
 def sample_draft_filtered(
     logits: torch.Tensor,
     temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
     seeds: torch.Tensor,
     positions: torch.Tensor,
     probs: torch.Tensor | None = None,
@@ -195,6 +198,7 @@ def sample_draft_filtered(
         top_k: [n], int32 or int64. Keep the top_k most probable tokens (0 = off; ties at the cut-off kept).
         top_p: [n], float32. Keep the most probable tokens up to this probability mass (1 = off).
         min_p: [n], float32. Keep tokens of probability >= min_p times the most probable one's (0 = off).
+            Each of the three filters may be None: off for every row.
         seeds: [n], int64. Each row's seed.
         positions: [n], int64. Each row's position in its random stream (the random numbers of sample_draft at
             the same seed and position).
@@ -208,22 +212,22 @@ def sample_draft_filtered(
                                                               positions, probs)
 
 
-def check_sampling_params(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                          vocab: int | None = None) -> None:
+def check_sampling_params(temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                          min_p: torch.Tensor | None, vocab: int | None = None) -> None:
     """Raises ValueError for parameter values outside their documented ranges (reads them: a host sync).
 
     The ops never raise for values (they clamp, see the module docstring); call this where a sync is affordable
     to reject a request instead: temperature must not be NaN, top_k >= 0 (and <= vocab when given), top_p in
-    (0, 1], min_p in [0, 1].
+    (0, 1], min_p in [0, 1]. A filter that is None passes.
     """
     if bool(torch.isnan(temperature).any()):
         raise ValueError("sampling parameters: temperature must not be NaN (<= 0 means greedy)")
-    if bool((top_k < 0).any()) or (vocab is not None and bool((top_k > vocab).any())):
+    if top_k is not None and (bool((top_k < 0).any()) or (vocab is not None and bool((top_k > vocab).any()))):
         raise ValueError(f"sampling parameters: top_k must be in [0, {vocab if vocab is not None else 'V'}] "
                          f"(0 = off), got {top_k.tolist()}")
-    if not bool(((top_p > 0) & (top_p <= 1)).all()):
+    if top_p is not None and not bool(((top_p > 0) & (top_p <= 1)).all()):
         raise ValueError(f"sampling parameters: top_p must be in (0, 1] (1 = off), got {top_p.tolist()}")
-    if not bool(((min_p >= 0) & (min_p <= 1)).all()):
+    if min_p is not None and not bool(((min_p >= 0) & (min_p <= 1)).all()):
         raise ValueError(f"sampling parameters: min_p must be in [0, 1] (0 = off), got {min_p.tolist()}")
 
 
@@ -238,6 +242,7 @@ class Processed:
     """
 
     def __init__(self, logits, temperature, top_k, top_p, min_p):
+        top_k, top_p, min_p = _filters_or_off(temperature, top_k, top_p, min_p)
         x = logits.float()
         vocab = x.shape[-1]
         t = temperature.float()[:, None]  # [B, 1]
@@ -278,12 +283,21 @@ class Processed:
         return torch.where(self.greedy[:, 0], 0.0, value)
 
 
+def _filters_or_off(temperature, top_k, top_p, min_p):
+    """The three filter tensors, one given as None replaced by its off value for every request (the references'
+    reading of None)."""
+    batch, device = temperature.shape[0], temperature.device
+    return (torch.zeros(batch, dtype=torch.int64, device=device) if top_k is None else top_k,
+            torch.ones(batch, device=device) if top_p is None else top_p,
+            torch.zeros(batch, device=device) if min_p is None else min_p)
+
+
 def processed_distribution(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
     """The processed distribution (module docstring) in plain PyTorch, float32 with the shape of logits.
 
     Args:
         logits: [B, V] or [B, R, V] float32/bfloat16/float16 (R rows per request share its parameters).
-        temperature, top_p, min_p: [B] float32. top_k: [B] int32/int64.
+        temperature, top_p, min_p: [B] float32. top_k: [B] int32/int64. A filter may be None (off).
     """
     squeeze = logits.dim() == 2
     probs = Processed(logits[:, None] if squeeze else logits, temperature, top_k, top_p, min_p).probs
@@ -294,9 +308,9 @@ def rejection_sample_logits_reference(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
     temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
     seeds: torch.Tensor,
     offsets: torch.Tensor,
     *,
@@ -393,6 +407,8 @@ def sample_draft_filtered_reference(logits, temperature, top_k, top_p, min_p, se
 def _check_params(op, batch, device, temperature, top_k, top_p, min_p, meaning):
     for name, t, dtypes in (("temperature", temperature, (torch.float32,)), ("top_k", top_k, INT_DTYPES),
                             ("top_p", top_p, (torch.float32,)), ("min_p", min_p, (torch.float32,))):
+        if t is None and name != "temperature":  # a filter given as None is off
+            continue
         check_tensor(op, name, t, ndim=1, dtypes=dtypes, device=device, unit_stride=False)
         check_size(op, name, t, 0, batch, meaning)
 

@@ -201,13 +201,6 @@ def sample_draft(
     if top_k is not None or top_p is not None or min_p is not None:
         from .logits_sampling import sample_draft_filtered
 
-        rows = logits.shape[0]
-        if top_k is None:
-            top_k = torch.zeros(rows, dtype=torch.int64, device=logits.device)
-        if top_p is None:
-            top_p = torch.ones(rows, dtype=torch.float32, device=logits.device)
-        if min_p is None:
-            min_p = torch.zeros(rows, dtype=torch.float32, device=logits.device)
         return sample_draft_filtered(logits, temperature, top_k, top_p, min_p, seeds, positions, probs)
     if probs is None:
         return torch.ops.specdec.sample_draft.default(logits, temperature, seeds, positions)

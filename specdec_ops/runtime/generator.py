@@ -170,7 +170,8 @@ class Request:
     """One generation request.
 
     prompt_ids: the prompt's token ids (list of ints, or a 1-D integer tensor on the CPU or the generator's
-        device), at least one, each in [0, vocab_size).
+        device), at least one, each in [0, vocab_size); or its text (a str) when the Generator has a tokenizer,
+        which encodes it as given (apply the model's chat template first where it expects one).
     max_new_tokens: tokens to generate at most (>= 1).
     temperature: 0 for greedy, else sampling from softmax(logits / temperature) (finite, >= 0).
     seed: the request's random stream (an int in [0, 2**63)).
@@ -183,7 +184,7 @@ class Request:
         cut-off are kept together); a greedy request (temperature 0) ignores them.
     """
 
-    prompt_ids: Sequence[int] | torch.Tensor
+    prompt_ids: Sequence[int] | torch.Tensor | str
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
@@ -195,9 +196,11 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """A finished request: its prompt, the generated ids (EOS included when it stopped there), why it stopped
-    ("eos", "max_tokens", "length": max_model_len, or "stop": the stream callback ended it) and, with
-    GeneratorConfig.logprobs, each generated token's log-probability (None otherwise).
+    """A finished request: its prompt's ids, the generated ids (EOS included when it stopped there), why it
+    stopped ("eos", "max_tokens", "length": max_model_len, or "stop": the stream callback ended it) and, with
+    GeneratorConfig.logprobs, each generated token's log-probability (None otherwise). text: with a Generator
+    tokenizer, the generated ids decoded (`decode_generated`: special tokens skipped, a closing EOS dropped); None
+    without one.
 
     num_rounds: the rounds its row was live in (its first token comes from the prefill, so a request that ran to
     its end emitted len(token_ids) - 1 tokens in them); acceptance_rate: its accepted / tested drafts (as
@@ -212,6 +215,16 @@ class RequestOutput:
     logprobs: list[float] | None = None
     num_rounds: int = 0
     acceptance_rate: float | None = None
+    text: str | None = None
+
+
+def decode_generated(tokenizer, token_ids: Sequence[int], eos_token_ids: Sequence[int]) -> str:
+    """The text of generated ids: a closing end-of-sequence id (one of eos_token_ids) dropped, special tokens
+    skipped; RequestOutput.token_ids keep the EOS."""
+    token_ids = list(token_ids)
+    if token_ids and token_ids[-1] in eos_token_ids:
+        token_ids = token_ids[:-1]
+    return tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
 @dataclass
@@ -237,8 +250,9 @@ class GenerationMetrics:
     device work alone; CPU: host time outside the rounds and admissions). It errs high: an admission that was
     not queued ahead counts whole, prefill kernels included (always the first one of a call, which finds the
     device idle), and so do the snapshot copies after each group; round groups always count as device work.
-    split_ms: per-round time of the draft, target and verification parts when `Generator.measure_split` filled
-    it.
+    split_ms: per-round time of the draft, target and verification parts, opt-in: filled only after
+    `Generator.measure_split`, which times each part in rounds of its own at one batch size (not during this
+    call); None otherwise.
     """
 
     speculative: bool
@@ -299,10 +313,14 @@ class Generator:
         device: where the models, caches and graphs are.
         compile: torch.compile each round (fullgraph, one graph per padded batch size).
         cuda_graphs: True (default on CUDA): one captured CUDA graph per padded batch size; False: none.
+        tokenizer: optional, with ``encode(text) -> list[int]`` and ``decode(ids, skip_special_tokens=...)``
+            (`specdec_ops.models.load_tokenizer`'s): requests may then give their prompt as text, and every
+            RequestOutput carries its generated text.
     """
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module | None, config: GeneratorConfig, *,
-                 device: torch.device | str, compile: bool = True, cuda_graphs: bool | None = None):
+                 device: torch.device | str, compile: bool = True, cuda_graphs: bool | None = None,
+                 tokenizer=None):
         device = resolve_device(device)
         k = config.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -335,6 +353,9 @@ class Generator:
             if context and config.max_model_len > context:
                 raise ValueError(f"Generator: max_model_len = {config.max_model_len} exceeds the {role}'s context "
                                  f"of {context} positions (its max_position_embeddings)")
+        if tokenizer is not None and not (callable(getattr(tokenizer, "encode", None))
+                                          and callable(getattr(tokenizer, "decode", None))):
+            raise ValueError(f"Generator: tokenizer must have encode and decode methods, got {type(tokenizer)!r}")
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"Generator: draft vocab_size {draft.vocab_size} != target vocab_size "
                              f"{target.vocab_size}")
@@ -342,6 +363,7 @@ class Generator:
         if cuda_graphs == "reduce-overhead":
             raise ValueError("Generator: cuda_graphs must be True, False or None")
         self.target, self.draft, self.config, self.device = target, draft, config, device
+        self.tokenizer = tokenizer
         self.speculative = draft is not None
         self.k = k
         self.vocab_size = target.vocab_size
@@ -514,9 +536,12 @@ class Generator:
             block = method == "block"
             offsets = self.verify_offset[:batch] if block else start + 1
             processed = self.config.logprobs == "processed"
-            out = rejection_sample_logits(logits, drafts, temperature, self.top_k[:batch], self.top_p[:batch],
-                                          self.min_p[:batch], self.seeds[:batch], offsets, draft_probs=draft_probs,
-                                          block_verification=block, return_logprobs=processed)
+            # Without sampling_filters no request sets one: None lets the op skip the filter pass.
+            filters = ((self.top_k[:batch], self.top_p[:batch], self.min_p[:batch]) if self.config.sampling_filters
+                       else (None, None, None))
+            out = rejection_sample_logits(logits, drafts, temperature, *filters, self.seeds[:batch], offsets,
+                                          draft_probs=draft_probs, block_verification=block,
+                                          return_logprobs=processed)
             if processed:
                 out, logprobs = out
             if block:
@@ -736,6 +761,11 @@ class Generator:
     def _prepare(self, index: int, request: Request) -> _Prepared:
         where = f"Generator.generate: requests[{index}]"
         prompt = request.prompt_ids
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{where}.prompt_ids is text; the Generator has no tokenizer to encode it "
+                                 f"(Generator(..., tokenizer=load_tokenizer(path)), or pass token ids)")
+            prompt = list(self.tokenizer.encode(prompt))
         if isinstance(prompt, torch.Tensor):
             if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
                 raise ValueError(f"{where}.prompt_ids must hold integer token ids, got dtype {prompt.dtype}")
@@ -1185,8 +1215,10 @@ class _HostLoop:
     def finish(self, slot: int, index: int, tokens: list[int], reason: int, logprobs: list[float] | None) -> None:
         rounds, tested, accepted = self.request_counts[slot].tolist()
         acceptance = accepted / tested if self.g.speculative and tested else None
-        self.outputs[index] = RequestOutput(self.prepared[index].prompt, tokens, STOP_NAMES[reason], logprobs,
-                                            rounds, acceptance)
+        prepared = self.prepared[index]
+        text = None if self.g.tokenizer is None else decode_generated(self.g.tokenizer, tokens, prepared.eos)
+        self.outputs[index] = RequestOutput(prepared.prompt, tokens, STOP_NAMES[reason], logprobs, rounds,
+                                            acceptance, text)
         self.g._retire(slot)
         self.free.append(slot)
         self.finished += 1
