@@ -105,7 +105,7 @@ def time_us(fn, device, replays):
     return statistics.median(samples)
 
 
-def bench(batch, vocab, dtype, filters, inputs, device, replays, ops=("logits", "probs", "block")):
+def bench(batch, vocab, dtype, filters, inputs, device, replays, ops=("logits", "probs", "block"), pipeline=True):
     target, draft, draft_logits, q, params, seeds, offsets = make_inputs(batch, vocab, dtype, filters, device, inputs)
     temperature, top_k, top_p, min_p = params
     counters = torch.zeros(3, dtype=torch.int64, device=device)
@@ -124,7 +124,7 @@ def bench(batch, vocab, dtype, filters, inputs, device, replays, ops=("logits", 
     calls = {name: call for name, call in calls.items() if name in ops}
     filtered = filters == "top-k+top-p"
 
-    def pipeline():
+    def torch_pipeline():
         p = torch_processed(target, temperature, top_k, top_p, filtered)
         q_torch = torch_processed(draft_logits, temperature, top_k, top_p, filtered)
         return specdec_ops.rejection_sample(p, draft, q_torch, seeds, offsets, counters=counters)
@@ -142,7 +142,7 @@ def bench(batch, vocab, dtype, filters, inputs, device, replays, ops=("logits", 
             if not torch.equal(got.cpu(), expected):
                 print(f"note: {name} B={batch} V={vocab} {dtype} {filters} {inputs}: differs from the reference in "
                       f"{int((got.cpu() != expected).any(1).sum())} of {batch} rows (a near-tie, or a bug)")
-    torch_us = time_us(pipeline, device, max(3, replays // 2))
+    torch_us = time_us(torch_pipeline, device, max(3, replays // 2)) if pipeline else None
     rows = []
     for name, (fn, floor_bytes) in calls.items():
         us = time_us(fn, device, replays)
@@ -177,6 +177,7 @@ def main() -> int:
                         "flat or outlier)")
     parser.add_argument("--ops", default="logits,probs,block", help="which calls to time (the torch pipeline is "
                         "compared with the first)")
+    parser.add_argument("--no-pipeline", action="store_true", help="do not time the plain-PyTorch pipeline")
     args = parser.parse_args()
     from specdec_ops.kernels.geometry import LOGITS_SAMPLING as geometry
 
@@ -215,7 +216,7 @@ def main() -> int:
             for filters, inputs in cases:
                 for batch in batches:
                     print_rows(bench(batch, vocab, dtype, filters, inputs, args.device, replays,
-                                     tuple(args.ops.split(","))), args.device)
+                                     tuple(args.ops.split(",")), not args.no_pipeline), args.device)
     return 0
 
 

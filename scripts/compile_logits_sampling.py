@@ -36,7 +36,12 @@ def compile_variant(fn, constexprs, name, pointers=None) -> bool:
     if fn in (kernels._filter_kernel, kernels._block_residual_kernel):
         signature["partial_ptr"] = "*fp32"  # the kept masses of min-p rows; the residual masses
     try:
-        binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
+        # Pointers 16-byte aligned, as the launches' tensors are: their specialization changes the layouts (a
+        # layout-pass failure of triton 3.6 showed only with it).
+        attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+                 if signature[arg].startswith("*")}
+        binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                target=TARGET,
                                 options={"num_warps": warps, "num_stages": GEOMETRY["num_stages"]})
     except Exception as error:  # report every variant, then fail
         print(f"{name}: FAILED: {type(error).__name__}: {str(error)[:3000]}")
@@ -59,7 +64,8 @@ def main() -> int:
         ok &= compile_variant(kernels._stats_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows,
                                                       "CHUNK_IS_BLOCK": chunk_is_block,
                                                       "NUM_BINS": GEOMETRY["hist_bins"],
-                                                      "BIN_SCALE": GEOMETRY["bin_scale"], "FUSED_FILTER": fused,
+                                                      "BIN_SCALE": GEOMETRY["bin_scale"],
+                                                      "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused,
                                                       "FILTERS": filters, **search},
                               f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused}, "
                               f"chunk_is_block={chunk_is_block}, filters={filters})",

@@ -37,8 +37,9 @@ SAMPLE_DRAFT = dict(block_v=4096, num_warps=16)
 # entries (a multiple of block_v), more when the rows alone would give fewer than programs_per_sm programs per SM.
 # The statistics and filter passes use chunks of a fixed length (stats_chunk: a row's sums do not depend on its
 # batch), each read as one block of stats_block_v entries, several consecutive chunks per program so that the grid
-# has about stats_programs_per_sm programs per SM. The statistics pass also counts each chunk's logits in hist_bins
-# bins of width 1 / bin_scale below its maximum, from which the filter pass picks the lower bound of its candidates;
+# has about stats_programs_per_sm programs per SM. The statistics pass also counts each chunk's logits (the maximum of
+# each hist_group consecutive ones) in hist_bins bins of width 1 / bin_scale below its maximum, from which the filter
+# pass picks the lower bound of its candidates;
 # at most cap candidates per row are sorted in registers (small_cap of them when there are that few; more take the
 # full threshold search, one program per row, search_block entries by num_probes probes).
 LOGITS_SAMPLING = dict(
@@ -57,6 +58,7 @@ LOGITS_SAMPLING = dict(
     interpreter_stats_chunk=64,  # TRITON_INTERPRET: short, so that CPU tests with small blocks split their rows
     hist_bins=64,
     bin_scale=1,  # 63 logits deep: a peaked row's top token may lead its top_k-th by 30 and more
+    hist_group=8,  # the histograms count the maximum of each hist_group consecutive entries (1: every entry)
     cap=1024,
     small_cap=256,
     search_block=256,

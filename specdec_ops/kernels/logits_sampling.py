@@ -17,13 +17,15 @@ memset; graph-capturable, no host sync).
 
 1. `_stats_kernel`: each chunk's max of x, its sum of exp((x - max) / T) (one exponential per entry) and its
    argmax (on the GPU's one-block chunks, the sum for a random row only and the argmax for a greedy row only:
-   the pass is issue-bound); for a row with top-k or top-p on, also a histogram of its x in bins of width
-   1 / bin_scale below its maximum (tl.histogram). On the GPU a chunk is one block, read once into registers
-   (the histogram too), and the loop over a program's chunks is pipelined; a chunk of several blocks (as tests
-   force) keeps an online sum and reads the chunk again for the histogram. The last program: m = max(x) / T (the
-   division rounds monotonically), S, the argmax (lowest index on ties), and for a filtered row the lower bound
-   of its candidates: the shallowest bin boundary at which the aligned histograms count top_k entries (top-k on),
-   or at which a lower bound of the mass reaches top_p * S (top-p alone); tau holds that bound until pass 2.
+   the pass is issue-bound); for a row with top-k or top-p on, also a histogram in bins of width 1 / bin_scale
+   below its maximum (tl.histogram) of the maxima of its groups of hist_group consecutive x (counts at most the
+   entries' own, so the bounds below stay bounds; an eighth of the histogram's work). On the GPU a chunk is one
+   block, read once into registers (the histogram too), and the loop over a program's chunks is pipelined; a chunk
+   of several blocks (as tests force) keeps an online sum and reads the chunk again for the histogram. The last
+   program: m = max(x) / T (the division rounds monotonically), S, the argmax (lowest index on ties), and for a
+   filtered row the lower bound of its candidates: the shallowest bin boundary at which the aligned histograms
+   count top_k entries (top-k on), or at which a lower bound of the mass reaches top_p * S (top-p alone); tau
+   holds that bound until pass 2.
 2. `_filter_kernel` (rows no filter touches return at once; run by the statistics pass's last program instead when
    one program covers a row, so that no launch is spent on unfiltered rows; neither runs when the call passes None
    for top_k, top_p and min_p, and with top_k and top_p both None the histograms are compiled out of pass 1): every
@@ -191,12 +193,26 @@ def _finish_sorted_tl(scratch_ptr, count, m, k_on, top_k, mass_all, p_on, top_p,
     return _order_key_tl(tau_z), mass, enough
 
 @triton.jit
+def _histogram_tl(x, top_bin, BLOCK_V: tl.constexpr, NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr,
+                  HIST_GROUP: tl.constexpr):
+    """Counts [NUM_BINS] of a block x [BLOCK_V] (-inf past the chunk) in bins of width 1 / BIN_SCALE below top_bin,
+    the last bin holding the rest. HIST_GROUP > 1 counts only the maximum of each HIST_GROUP consecutive entries:
+    at every level at most the entries' own count, so the bounds built from the counts (lower bounds of the kept
+    set's threshold) stay bounds, and near the top, where the cut-offs lie and few entries share a group, about as
+    tight, for 1 / HIST_GROUP of the histogram's work."""
+    if HIST_GROUP > 1:
+        x = tl.max(tl.reshape(x, [BLOCK_V // HIST_GROUP, HIST_GROUP]), axis=1)
+    depth = top_bin - tl.floor(x * BIN_SCALE)
+    inside = (depth >= 0) & (depth < NUM_BINS - 1)  # NaN and -inf: outside
+    return tl.histogram(tl.where(inside, depth, NUM_BINS - 1).to(tl.int32), NUM_BINS)
+
+@triton.jit
 def _chunk_stats_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered,
                     BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_BINS: tl.constexpr,
-                    BIN_SCALE: tl.constexpr):
+                    BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr):
     """One chunk [start, end) of a logit row: (max x, sum of exp((x - max x) / t), argmax, the max's bin), and with
-    `filtered` the chunk's histogram of x (bins of width 1 / BIN_SCALE below the max's, the last bin holding the
-    rest) stored at hist_ptr [NUM_BINS] int32."""
+    `filtered` the chunk's histogram (`_histogram_tl`: of its groups' maxima, bins of width 1 / BIN_SCALE below the
+    max's, the last bin holding the rest) stored at hist_ptr [NUM_BINS] int32."""
     scale = 1.4426950408889634 / t  # exp(d / t) = exp2(d * scale)
     best_x = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK_V], 0, tl.int32) + vocab
@@ -224,17 +240,15 @@ def _chunk_stats_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered,
         hist = tl.zeros([NUM_BINS], tl.int32)
         for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
             v = v0 + tl.arange(0, BLOCK_V)
-            in_chunk = v < end
-            x = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf")).to(tl.float32)
-            depth = top_bin - tl.floor(x * BIN_SCALE)
-            inside = in_chunk & (depth >= 0) & (depth < NUM_BINS - 1)  # NaN: outside
-            hist += tl.histogram(tl.where(inside, depth, NUM_BINS - 1).to(tl.int32), NUM_BINS)
+            x = tl.load(row_ptr + v, mask=v < end, other=float("-inf")).to(tl.float32)
+            hist += _histogram_tl(x, top_bin, BLOCK_V, NUM_BINS, BIN_SCALE, HIST_GROUP)
         tl.store(hist_ptr + tl.arange(0, NUM_BINS), hist)
     return top, total, argmax, top_bin
 
 @triton.jit
 def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered, is_random,
-                          BLOCK_V: tl.constexpr, NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
+                          BLOCK_V: tl.constexpr, NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr,
+                          HIST_GROUP: tl.constexpr):
     """`_chunk_stats_tl` of a chunk that is one block (end - start <= BLOCK_V), read once: the max, the argmax and
     the sum from the block in registers, and with `filtered` the histogram from the same registers. The pass is
     issue-bound, so each row computes only what its mode reads: a random row the max and the sum (argmax 0), a
@@ -252,17 +266,14 @@ def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered, is_
         total = tl.full([], 1.0, tl.float32)
     top_bin = tl.floor(top * BIN_SCALE)
     if filtered:
-        depth = top_bin - tl.floor(x * BIN_SCALE)
-        inside = in_chunk & (depth >= 0) & (depth < NUM_BINS - 1)  # NaN: outside
-        hist = tl.histogram(tl.where(inside, depth, NUM_BINS - 1).to(tl.int32), NUM_BINS)
-        tl.store(hist_ptr + tl.arange(0, NUM_BINS), hist)
+        tl.store(hist_ptr + tl.arange(0, NUM_BINS), _histogram_tl(x, top_bin, BLOCK_V, NUM_BINS, BIN_SCALE, HIST_GROUP))
     return top, total, argmax, top_bin
 
 
 @triton.jit
 def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t, partial_ptr, hist_ptr, filtered,
                    is_random, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
+                   NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr):
     """Chunks c_first .. c_last - 1 of row g: each chunk's statistics into partial [g, c, 4] (and its histogram
     into hist [g, c, NUM_BINS]), computed from that chunk alone, so the same whichever program computes it."""
     if CHUNK_IS_BLOCK:
@@ -272,7 +283,7 @@ def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t,
             slot = g * num_chunks + c
             top, total, argmax, top_bin = _chunk_stats_block_tl(
                 row_ptr, start, tl.minimum(start + chunk_len, vocab), vocab, t, hist_ptr + slot * NUM_BINS,
-                filtered, is_random, BLOCK_V, NUM_BINS, BIN_SCALE)
+                filtered, is_random, BLOCK_V, NUM_BINS, BIN_SCALE, HIST_GROUP)
             _store_partial_tl(partial_ptr + slot * 4, top, total, argmax, top_bin)
     else:
         for c in range(c_first, c_last):
@@ -280,7 +291,7 @@ def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t,
             slot = g * num_chunks + c
             top, total, argmax, top_bin = _chunk_stats_tl(
                 row_ptr, start, tl.minimum(start + chunk_len, vocab), vocab, t, hist_ptr + slot * NUM_BINS,
-                filtered, BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE)
+                filtered, BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE, HIST_GROUP)
             _store_partial_tl(partial_ptr + slot * 4, top, total, argmax, top_bin)
 
 
@@ -335,7 +346,8 @@ def _stats_kernel(
     rows_per_request, t_stride_b, t_stride_i, d_stride_b, d_stride_i, temperature_stride, top_k_stride, top_p_stride,
     min_p_stride,
     HAS_DRAFT_LOGITS: tl.constexpr, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
-    NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, BLOCK_C: tl.constexpr, FUSED_FILTER: tl.constexpr,
+    NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr, BLOCK_C: tl.constexpr,
+    FUSED_FILTER: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr,
     FILTERS: tl.constexpr,
 ):
@@ -363,11 +375,11 @@ def _stats_kernel(
     if r <= k:
         _span_stats_tl(target_ptr + b * t_stride_b + r * t_stride_i, g, c_first, c_last, num_chunks, chunk_len, vocab,
                        t, partial_ptr, hist_ptr, filtered, is_random, CHUNK_IS_BLOCK, BLOCK_V, NUM_STAGES, NUM_BINS,
-                       BIN_SCALE)
+                       BIN_SCALE, HIST_GROUP)
     else:
         _span_stats_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, g, c_first, c_last, num_chunks,
                        chunk_len, vocab, t, partial_ptr, hist_ptr, filtered, is_random, CHUNK_IS_BLOCK, BLOCK_V,
-                       NUM_STAGES, NUM_BINS, BIN_SCALE)
+                       NUM_STAGES, NUM_BINS, BIN_SCALE, HIST_GROUP)
     tl.debug_barrier()  # every thread's partials and histograms are stored before the ticket publishes them
     if take_ticket_tl(ticket_ptr + g) == num_programs - 1:
         reset_ticket_tl(ticket_ptr + g)
@@ -1036,7 +1048,8 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
         target, draft, *params, stats, partial, hist, workspace[2 * rows:], candidates, kept_mass, workspace, *common,
         HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v, BLOCK_V=block_v,
         NUM_STAGES=geometry["num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
-        BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters, **search, num_warps=geometry["stats_num_warps"],
+        HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
+        **search, num_warps=geometry["stats_num_warps"],
     )
     if filter_pass and not fused_filter:
         _filter_kernel[grid](
