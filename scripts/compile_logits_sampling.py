@@ -28,7 +28,9 @@ POINTERS = {"target_ptr": "*bf16", "draft_logits_ptr": "*bf16", "logits_ptr": "*
             "probs_ptr": "*fp32", "stop_ptr": "*i32"}
 
 
-def compile_variant(fn, constexprs, name, pointers=None) -> bool:
+def compile_variant(fn, constexprs, name, pointers=None, aligned=()) -> bool:
+    """Compiles fn with the given constexprs; pointers and the integer arguments named in `aligned` are marked
+    multiples of 16, as Triton specializes real launches' aligned tensors and sizes."""
     types = {**POINTERS, **(pointers or {})}
     row_passes = (kernels._stats_kernel, kernels._filter_kernel)
     warps = GEOMETRY["stats_num_warps"] if fn in row_passes else GEOMETRY["num_warps"]
@@ -36,10 +38,8 @@ def compile_variant(fn, constexprs, name, pointers=None) -> bool:
     if fn in (kernels._filter_kernel, kernels._block_residual_kernel):
         signature["partial_ptr"] = "*fp32"  # the kept masses of min-p rows; the residual masses
     try:
-        # Pointers 16-byte aligned, as the launches' tensors are: their specialization changes the layouts (a
-        # layout-pass failure of triton 3.6 showed only with it).
         attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
-                 if signature[arg].startswith("*")}
+                 if signature[arg].startswith("*") or arg in aligned}
         binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                 target=TARGET,
                                 options={"num_warps": warps, "num_stages": GEOMETRY["num_stages"]})
@@ -73,6 +73,21 @@ def main() -> int:
     for has_draft_logits in (False, True):
         ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows, **search},
                               f"_filter_kernel(draft_logits={has_draft_logits})")
+    # Both row passes as sample_draft_filtered launches them on V = 32000 (one row per request, k = 0, filters
+    # passed as None: stride 0), with the sizes' specializations: a layout-pass failure of triton 3.6 in a gather
+    # variant showed only so (the H200 found it; every variant above compiled).
+    draft_launch = {"rows_per_request": 1, "k": 0, "d_stride_i": 0, "temperature_stride": 1, "top_k_stride": 0,
+                    "top_p_stride": 0, "min_p_stride": 0}
+    aligned = ("vocab", "chunk_len", "t_stride_b", "d_stride_b")
+    ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": False, **rows, **search, **draft_launch},
+                          "_filter_kernel(as sample_draft_filtered launches it)", aligned=aligned)
+    ok &= compile_variant(kernels._stats_kernel, {"HAS_DRAFT_LOGITS": False, **rows, "CHUNK_IS_BLOCK": True,
+                                                  "NUM_BINS": GEOMETRY["hist_bins"],
+                                                  "BIN_SCALE": GEOMETRY["bin_scale"],
+                                                  "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": False,
+                                                  "FILTERS": True, **search, **draft_launch},
+                          "_stats_kernel(as sample_draft_filtered launches it)",
+                          {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"}, aligned=aligned)
     for probs, logits in ((True, False), (False, True), (False, False)):
         flags = {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits, "WITH_LOGPROBS": True, "COUNT": True,
                  "BLOCK_K": 8, "BLOCK_V": GEOMETRY["block_v"], "FAST_LOG": True}
