@@ -60,34 +60,31 @@ def main() -> int:
     # FILTERS=False (top_k and top_p passed as None) compiles the histograms out; fused, min-p alone.
     stats_variants = [(logits, fused, True, True) for logits in (False, True) for fused in (False, True)]
     stats_variants += [(True, True, False, True), (False, False, True, False), (True, True, True, False)]
+    stats_pointers = {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"}
+
+    def stats_constexprs(has_draft_logits, fused, chunk_is_block, filters):
+        return {"HAS_DRAFT_LOGITS": has_draft_logits, **rows, "CHUNK_IS_BLOCK": chunk_is_block,
+                "NUM_BINS": GEOMETRY["hist_bins"], "BIN_SCALE": GEOMETRY["bin_scale"],
+                "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters, **search}
+
     for has_draft_logits, fused, chunk_is_block, filters in stats_variants:
-        ok &= compile_variant(kernels._stats_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows,
-                                                      "CHUNK_IS_BLOCK": chunk_is_block,
-                                                      "NUM_BINS": GEOMETRY["hist_bins"],
-                                                      "BIN_SCALE": GEOMETRY["bin_scale"],
-                                                      "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused,
-                                                      "FILTERS": filters, **search},
+        constexprs = stats_constexprs(has_draft_logits, fused, chunk_is_block, filters)
+        ok &= compile_variant(kernels._stats_kernel, constexprs,
                               f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused}, "
-                              f"chunk_is_block={chunk_is_block}, filters={filters})",
-                              {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"})
+                              f"chunk_is_block={chunk_is_block}, filters={filters})", stats_pointers)
     for has_draft_logits in (False, True):
         ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows, **search},
                               f"_filter_kernel(draft_logits={has_draft_logits})")
-    # Both row passes as sample_draft_filtered launches them on V = 32000 (one row per request, k = 0, filters
-    # passed as None: stride 0), with the sizes' specializations: a layout-pass failure of triton 3.6 in a gather
-    # variant showed only so (the H200 found it; every variant above compiled).
+    # Both row passes as sample_draft_filtered launches them on V = 32000 (one row per request, k = 0, one value of
+    # each filter for the batch: stride 0), with the sizes' specializations: a layout-pass failure of triton 3.6 in
+    # a gather variant showed only so (the H200 found it; every variant above compiled).
     draft_launch = {"rows_per_request": 1, "k": 0, "d_stride_i": 0, "temperature_stride": 1, "top_k_stride": 0,
                     "top_p_stride": 0, "min_p_stride": 0}
     aligned = ("vocab", "chunk_len", "t_stride_b", "d_stride_b")
     ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": False, **rows, **search, **draft_launch},
                           "_filter_kernel(as sample_draft_filtered launches it)", aligned=aligned)
-    ok &= compile_variant(kernels._stats_kernel, {"HAS_DRAFT_LOGITS": False, **rows, "CHUNK_IS_BLOCK": True,
-                                                  "NUM_BINS": GEOMETRY["hist_bins"],
-                                                  "BIN_SCALE": GEOMETRY["bin_scale"],
-                                                  "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": False,
-                                                  "FILTERS": True, **search, **draft_launch},
-                          "_stats_kernel(as sample_draft_filtered launches it)",
-                          {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"}, aligned=aligned)
+    ok &= compile_variant(kernels._stats_kernel, {**stats_constexprs(False, False, True, True), **draft_launch},
+                          "_stats_kernel(as sample_draft_filtered launches it)", stats_pointers, aligned=aligned)
     for probs, logits in ((True, False), (False, True), (False, False)):
         flags = {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits, "WITH_LOGPROBS": True, "COUNT": True,
                  "BLOCK_K": 8, "BLOCK_V": GEOMETRY["block_v"], "FAST_LOG": True}

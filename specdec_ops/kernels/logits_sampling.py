@@ -19,7 +19,7 @@ memset; graph-capturable, no host sync).
    argmax (on the GPU's one-block chunks, the sum for a random row only and the argmax for a greedy row only:
    the pass is issue-bound); for a row with top-k or top-p on, also a histogram in bins of width 1 / bin_scale
    below its maximum (tl.histogram) of the maxima of its groups of hist_group consecutive x (counts at most the
-   entries' own, so the bounds below stay bounds; an eighth of the histogram's work). On the GPU a chunk is one
+   entries' own, so the bounds below stay bounds; 1 / hist_group of the histogram's work). On the GPU a chunk is one
    block, read once into registers (the histogram too), and the loop over a program's chunks is pipelined; a chunk
    of several blocks (as tests force) keeps an online sum and reads the chunk again for the histogram. The last
    program: m = max(x) / T (the division rounds monotonically), S, the argmax (lowest index on ties), and for a
