@@ -485,6 +485,11 @@ def outlier_case(top_k: list[int]):
     return target, (torch.ones(n), torch.tensor(top_k), torch.ones(n), torch.zeros(n))
 
 
+def _key_to_float(key: int) -> torch.Tensor:
+    """The float32 whose order key (kernels' _order_key_tl) is `key`."""
+    return torch.tensor([key if key >= 0 else key ^ 0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
+
+
 class _NoLaunch:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
@@ -503,10 +508,50 @@ def test_triton_outlier_maximum_keeps_a_tight_candidate_bound(monkeypatch):
     for g, row in enumerate(rows):
         top_k = int(params[1][g // 2])
         kth = row.sort(descending=True).values[top_k - 1]
-        key = int(stats[g, 1])
-        bound = torch.tensor([key if key >= 0 else key ^ 0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
+        bound = _key_to_float(int(stats[g, 1]))
         above = int((row >= bound).sum())
         assert bound <= kth and above <= 2 * top_k + 16, (g, float(bound), float(kth), above)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_gather_floor_is_exact():
+    """The filter pass compares logits x with a float floor in place of key(x / t) >= lo: the floor is the least
+    float32 whose z qualifies (z by the kernels' own division, which on the GPU need not round as torch's does), so
+    the float below it does not, for temperatures that merge neighbouring floats (t < 1), split them (t > 1) and
+    extreme ones, at keys of negative, zero and large z and at key(-inf), where every x qualifies."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def floor_kernel(lo_ptr, t_ptr, out_ptr, verdict_ptr):
+        i = tl.program_id(0)
+        lo = tl.load(lo_ptr + i)
+        t = tl.load(t_ptr + i)
+        floor = kernels._x_floor_tl(lo, t)
+        below_key = kernels._order_key_tl(floor) - 1
+        below_key = tl.where(below_key == -1, -2, below_key)  # key -1 is -0.0, which compares as +0.0
+        below = tl.where(below_key >= 0, below_key, below_key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        at_floor = kernels._order_key_tl(floor / t) >= lo
+        below_fails = (kernels._order_key_tl(below / t) < lo) | (floor == float("-inf"))
+        tl.store(out_ptr + i, floor)
+        tl.store(verdict_ptr + i, (at_floor & below_fails).to(tl.int32))
+
+    gen = torch.Generator().manual_seed(5)
+    z = torch.cat([torch.randn(40, generator=gen) * 10, torch.tensor([0.0, -0.0, 1e-40, -3.5, 7.0, 3e38, -3e38])])
+    bits = z.view(torch.int32)
+    keys = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    keys = torch.where(keys == -1, 0, keys)
+    # 1e38 and 1e-40 (a denormal): the GPU's division scales its operands there.
+    temperatures = torch.tensor([0.3, 0.7, 0.8, 1.0, 1.3, 2.0, 1e-3, 37.0, 1e-30, 1e30, 1e38, 1e-40])
+    lo = torch.cat([keys.repeat_interleave(len(temperatures)), torch.tensor([-2139095041] * len(temperatures))])
+    t = temperatures.repeat(len(z) + 1)
+    device = "cuda" if HAS_CUDA else "cpu"
+    floor = torch.empty(len(lo), device=device)
+    verdict = torch.empty(len(lo), dtype=torch.int32, device=device)
+    floor_kernel[(len(lo),)](lo.to(torch.int32).to(device), t.to(device), floor, verdict)
+    assert bool((verdict == 1).all()), (lo[verdict.cpu() == 0], t[verdict.cpu() == 0])
+    assert bool(torch.isneginf(floor[-len(temperatures):]).all())
+    assert not bool(torch.isneginf(floor[:-len(temperatures)]).any())
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -685,6 +730,19 @@ def check_draft_against_reference(kernel, args):
     torch.testing.assert_close(probs, expected_probs, **DRAFT_PROBS_TOL)
     assert (expected_probs.gather(1, expected[:, None]) > 0).all()
     return expected, expected_probs
+
+
+@pytest.mark.parametrize("kernel", DRAFT_KERNELS)
+def test_sample_draft_filtered_infinite_temperature(kernel):
+    """temperature +inf (valid: only NaN is refused): z = x / T is 0 at every finite logit, so each row is uniform
+    whatever top-k and top-p say (their cut-offs tie the whole row). q is finite and equals the reference's."""
+    rows, vocab = 4, 20
+    gen = torch.Generator().manual_seed(8)
+    args = (torch.randn(rows, vocab, generator=gen) * 3, torch.full((rows,), float("inf")),
+            torch.tensor([5, 0, 1, 19]), torch.tensor([1.0, 0.5, 0.9, 1.0]), torch.zeros(rows),
+            torch.arange(rows) + 3, torch.arange(rows))
+    _, probs = check_draft_against_reference(kernel, args)
+    torch.testing.assert_close(probs, torch.full((rows, vocab), 1 / vocab))
 
 
 @pytest.mark.parametrize("kernel", DRAFT_KERNELS)

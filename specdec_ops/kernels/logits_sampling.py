@@ -29,9 +29,11 @@ memset; graph-capturable, no host sync).
 2. `_filter_kernel` (rows no filter touches return at once; run by the statistics pass's last program instead when
    one program covers a row, so that no launch is spent on unfiltered rows; neither runs when the call passes None
    for top_k, top_p and min_p, and with top_k and top_p both None the histograms are compiled out of pass 1): every
-   program appends the z of its chunks' entries at or above the bound to the row's candidates (an atomic slot
-   counter; at most CAP are stored); the last program sorts them in registers (tl.sort, tl.cumsum; SMALL_CAP entries
-   when there are that few, else CAP: the size is a function of the row alone) and finds tau_k, M_k, tau_p and S
+   program appends its chunks' logits x whose z = x / t lie at or above the bound to the row's candidates (compared
+   with the least such x, found once per program by bisection (`_x_floor_tl`), so no entry is divided; one atomic
+   on the row's slot counter per candidate; at most CAP are stored); the last program divides them, sorts them in
+   registers (tl.sort, tl.cumsum; SMALL_CAP entries when there are that few, else CAP: the size is a function of
+   the row alone, and the candidates' order does not matter) and finds tau_k, M_k, tau_p and S
    exactly, ties at the cut-off kept, as the contract says. The bound is only a guess: the finish checks that the
    candidates (an upper set of z) hold the kept set (at least top_k of them, or a mass reaching top_p * M_k); a row
    that fails, or has more than CAP candidates (top-p over a flat distribution), takes the full threshold search in
@@ -49,9 +51,8 @@ memset; graph-capturable, no host sync).
    race of each chunk's kept entries (and their probabilities) into the row's atomic max.
 
 Sums are float32 in these kernels' orders, deterministic (chunk order, no float atomics) and independent of the
-batch; exp and log come from the GPU's libraries, so results equal the reference except at near-ties (the
-contract's "Float rounding").
-"""
+batch; exp, log and the float32 division (div.full.f32) come from the GPU, so results equal the reference except
+at near-ties (the contract's "Float rounding")."""
 from __future__ import annotations
 
 import torch
@@ -166,12 +167,15 @@ def _min_e_tl(min_p):
     return tl.where(min_p > 0, tl.minimum(min_p, 1.0), 0.0)
 
 @triton.jit
-def _finish_sorted_tl(scratch_ptr, count, m, k_on, top_k, mass_all, p_on, top_p, min_e, CAP: tl.constexpr):
-    """The exact thresholds and kept mass from `count` (<= CAP) candidate z values in the row's scratch, an upper set
-    of z. Returns (tau key int32, S, whether the candidates hold the kept set: at least top_k of them with top-k
-    on, else a mass of at least top_p * mass_all). mass_all: the row's mass (M_k with top-k off)."""
+def _finish_sorted_tl(scratch_ptr, count, t, m, k_on, top_k, mass_all, p_on, top_p, min_e, CAP: tl.constexpr):
+    """The exact thresholds and kept mass from `count` (<= CAP) candidate logits x in the row's scratch, whose
+    z = x / t are an upper set of z. Returns (tau key int32, S, whether the candidates hold the kept set: at least
+    top_k of them with top-k on, else a mass of at least top_p * mass_all). mass_all: the row's mass (M_k with top-k
+    off)."""
     index = tl.arange(0, CAP)
-    z = tl.load(scratch_ptr + index, mask=index < count, other=float("-inf"), cache_modifier=".cg")
+    # The padding is -inf in z (after the division: -inf / +inf would be NaN).
+    z = tl.where(index < count, tl.load(scratch_ptr + index, mask=index < count, cache_modifier=".cg") / t,
+                 float("-inf"))
     sorted_z = tl.sort(z, descending=True)
     e = tl.exp(sorted_z - m)  # 0 for the -inf padding
     tau_k_z = tl.full([], float("-inf"), tl.float32)
@@ -432,20 +436,36 @@ def _stats_kernel(
                            NUM_PROBES, CAP, SMALL_CAP, BLOCK_C)
 
 @triton.jit
-def _gather_chunk_tl(row_ptr, start, end, t, lo, candidates_ptr, slot_ptr, CAP: tl.constexpr,
+def _x_floor_tl(lo, t):
+    """The least float32 x with key(x / t) >= lo (finite t > 0; -inf when every x qualifies): x / t rounds
+    monotonically in x (the GPU's div.full.f32 too: its operand scaling depends on t alone), so x >= this floor holds
+    exactly when key(x / t) >= lo, for every non-NaN x, with no division per entry. A bisection over the order keys
+    of x."""
+    low = tl.full([], -2139095041, tl.int64)  # key(-inf)
+    high = tl.full([], 2139095040, tl.int64)  # key(+inf): +inf / t = +inf qualifies
+    for _ in range(33):  # the key range is under 2^32 wide
+        mid = (low + high) // 2
+        key = mid.to(tl.int32)
+        x = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        qualifies = _order_key_tl(x / t) >= lo
+        high = tl.where(qualifies, mid, high)
+        low = tl.where(qualifies, low, mid)
+    key = tl.where(_order_key_tl(float("-inf") / t) >= lo, low, high).to(tl.int32)
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+@triton.jit
+def _gather_chunk_tl(row_ptr, start, end, x_floor, candidates_ptr, slot_ptr, CAP: tl.constexpr,
                      BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Appends the z of the chunk's entries with key >= lo to the row's candidates (at most CAP are stored; the
-    row's slot counter counts them all)."""
+    """Appends the logits x >= x_floor of [start, end) to the row's candidates (at most CAP are stored; the row's
+    int64 slot counter counts them all). One atomic per candidate: few entries qualify, and a scan over the block
+    costs more."""
     for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
         v = v0 + tl.arange(0, BLOCK_V)
-        in_chunk = v < end
-        z = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf")).to(tl.float32) / t
-        candidate = in_chunk & (_order_key_tl(z) >= lo)
-        n = tl.sum(candidate.to(tl.int32), axis=0)
-        if n > 0:
-            first = tl.atomic_add(slot_ptr, n.to(tl.int64), sem="relaxed").to(tl.int32)
-            position = first + tl.cumsum(candidate.to(tl.int32), axis=0) - 1
-            tl.store(candidates_ptr + position, z, mask=candidate & (position < CAP))
+        x = tl.load(row_ptr + v, mask=v < end, other=float("-inf")).to(tl.float32)
+        candidate = (v < end) & (x >= x_floor)
+        position = tl.atomic_add(slot_ptr + tl.zeros([BLOCK_V], tl.int32), tl.full([BLOCK_V], 1, tl.int64),
+                                 mask=candidate, sem="relaxed")
+        tl.store(candidates_ptr + position, x, mask=candidate & (position < CAP))
 
 @triton.jit
 def _chunk_kept_mass_tl(row_ptr, start, end, t, m, min_e, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -491,8 +511,8 @@ def _span_filter_tl(row_ptr, c_first, c_last, chunk_len, vocab, t, m, lo, min_e,
     >= lo appended to the candidates (in any order: the finish sorts them); else (min-p alone) each chunk's kept
     mass into kept_mass_ptr [c], a sum over that chunk alone."""
     if searched:
-        _gather_chunk_tl(row_ptr, c_first * chunk_len, tl.minimum(c_last * chunk_len, vocab), t, lo, candidates,
-                         slot_ptr, CAP, BLOCK_V, NUM_STAGES)
+        _gather_chunk_tl(row_ptr, c_first * chunk_len, tl.minimum(c_last * chunk_len, vocab), _x_floor_tl(lo, t),
+                         candidates, slot_ptr, CAP, BLOCK_V, NUM_STAGES)
     else:
         for c in range(c_first, c_last):
             start = c * chunk_len
@@ -533,10 +553,10 @@ def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, num_programs, c_first,
                 # The sort's size follows the row's candidate count (a function of the row alone): few candidates,
                 # as top-k over LLM-like rows gives, take the short sort.
                 if count <= SMALL_CAP:
-                    tau, mass, enough = _finish_sorted_tl(candidates, count, m, k_on, top_k, mass_all, p_on, top_p,
-                                                          min_e, SMALL_CAP)
+                    tau, mass, enough = _finish_sorted_tl(candidates, count, t, m, k_on, top_k, mass_all, p_on,
+                                                          top_p, min_e, SMALL_CAP)
                 else:
-                    tau, mass, enough = _finish_sorted_tl(candidates, tl.minimum(count, CAP), m, k_on, top_k,
+                    tau, mass, enough = _finish_sorted_tl(candidates, tl.minimum(count, CAP), t, m, k_on, top_k,
                                                           mass_all, p_on, top_p, min_e, CAP)
                 if (count > CAP) | (~enough):
                     if r <= k:

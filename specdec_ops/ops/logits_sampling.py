@@ -34,13 +34,14 @@ No value of a parameter is an error and none is read on the host (that would be 
 whole treatment (top_k < 0 is off like 0, top_k >= V is off). `check_sampling_params` raises ValueError for values
 outside the documented ranges, for callers who want that and can afford a sync.
 
-Float rounding: the threshold and the normalizer are sums of float exponentials. The reference sums in float64
-along the sorted order (``processed_distribution``), the CPU kernel the same way, the Triton kernel in float32 in
-its own order, and torch.exp, glibc's expf and the GPU's exp may differ in the last bit. So the kernels equal the
-reference exactly except where a cumulative mass lies within rounding of ``top_p * M_k``, an ``e_v`` within
-rounding of ``min_p``, a probability within rounding of an accept threshold, or two race keys within rounding of
-each other; ties of *values* (equal logits)
-are exact everywhere. The tests pick inputs where this does not happen, and compare logprobs within 2e-5.
+Float rounding: the threshold and the normalizer are sums of float exponentials. The reference sums in float64 along
+the sorted order (``processed_distribution``), the CPU kernel the same way, the Triton kernel in float32 in its own
+order, and torch.exp, glibc's expf and the GPU's exp may differ in the last bit (the GPU's float32 division
+``x / T``, Triton's ``div.full.f32``, in the last two). So the kernels equal the reference exactly except where a
+cumulative mass lies within rounding of ``top_p * M_k``, an ``e_v`` within rounding of ``min_p``, a probability
+within rounding of an accept threshold, two race keys within rounding of each other, or two distinct logits whose
+``x / T`` lie within rounding of each other at a cut-off; ties of *values* (equal logits) are exact everywhere. The
+tests pick inputs where this does not happen, and compare logprobs within 2e-5.
 
 rejection_sample_logits(target_logits, draft_token_ids, draft_probs, draft_logits, temperature, top_k, top_p,
 min_p, seeds, offsets, block_verification=False)
