@@ -530,7 +530,7 @@ def test_triton_gather_floor_is_exact():
         floor = kernels._x_floor_tl(lo, t)
         below_key = kernels._order_key_tl(floor) - 1
         below_key = tl.where(below_key == -1, -2, below_key)  # key -1 is -0.0, which compares as +0.0
-        below = tl.where(below_key >= 0, below_key, below_key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+        below = kernels._key_value_tl(below_key)
         at_floor = kernels._order_key_tl(floor / t) >= lo
         below_fails = (kernels._order_key_tl(below / t) < lo) | (floor == float("-inf"))
         tl.store(out_ptr + i, floor)

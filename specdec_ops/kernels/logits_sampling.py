@@ -81,6 +81,11 @@ def _order_key_tl(z):
     return tl.where(key == -1, 0, key)
 
 @triton.jit
+def _key_value_tl(key):
+    """The float32 whose order key is `key` (int32; key -1, which `_order_key_tl` never gives, is -0.0)."""
+    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+@triton.jit
 def _search_pass_tl(row_ptr, vocab, temperature, m, lo, hi, top_k, target,
                     USE_MASS: tl.constexpr, VALUE_PROBES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
                     NUM_PROBES: tl.constexpr):
@@ -445,20 +450,16 @@ def _x_floor_tl(lo, t):
     high = tl.full([], 2139095040, tl.int64)  # key(+inf): +inf / t = +inf qualifies
     for _ in range(33):  # the key range is under 2^32 wide
         mid = (low + high) // 2
-        key = mid.to(tl.int32)
-        x = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-        qualifies = _order_key_tl(x / t) >= lo
+        qualifies = _order_key_tl(_key_value_tl(mid.to(tl.int32)) / t) >= lo
         high = tl.where(qualifies, mid, high)
         low = tl.where(qualifies, low, mid)
-    key = tl.where(_order_key_tl(float("-inf") / t) >= lo, low, high).to(tl.int32)
-    return tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    return _key_value_tl(tl.where(_order_key_tl(float("-inf") / t) >= lo, low, high).to(tl.int32))
 
 @triton.jit
 def _gather_chunk_tl(row_ptr, start, end, x_floor, candidates_ptr, slot_ptr, CAP: tl.constexpr,
                      BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Appends the logits x >= x_floor of [start, end) to the row's candidates (at most CAP are stored; the row's
-    int64 slot counter counts them all). One atomic per candidate: few entries qualify, and a scan over the block
-    costs more."""
+    int64 slot counter counts them all), one atomic per candidate: few entries qualify."""
     for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
         v = v0 + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + v, mask=v < end, other=float("-inf")).to(tl.float32)
