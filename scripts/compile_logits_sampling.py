@@ -23,9 +23,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {"target_ptr": "*bf16", "draft_logits_ptr": "*bf16", "logits_ptr": "*fp16", "q_ptr": "*fp32",
             "temperature_ptr": "*fp32", "top_k_ptr": "*i32", "top_p_ptr": "*fp32", "min_p_ptr": "*fp32",
             "stats_ptr": "*i32", "partial_ptr": "*i32", "hist_ptr": "*i32", "workspace_ptr": "*i64",
-            "candidates_ptr": "*fp32", "draft_ptr": "*i64", "seed_ptr": "*i64", "offset_ptr": "*i64",
-            "position_ptr": "*i64", "out_ptr": "*i64", "logprobs_ptr": "*fp32", "counters_ptr": "*i64",
-            "probs_ptr": "*fp32", "stop_ptr": "*i32"}
+            "candidates_ptr": "*fp32", "counts_ptr": "*i32", "draft_ptr": "*i64", "seed_ptr": "*i64",
+            "offset_ptr": "*i64", "position_ptr": "*i64", "out_ptr": "*i64", "logprobs_ptr": "*fp32",
+            "counters_ptr": "*i64", "probs_ptr": "*fp32", "stop_ptr": "*i32"}
 
 
 def compile_variant(fn, constexprs, name, pointers=None, aligned=()) -> bool:
@@ -54,7 +54,7 @@ def main() -> int:
     ok = True
     rows = dict(BLOCK_V=GEOMETRY["stats_block_v"], NUM_STAGES=GEOMETRY["num_stages"], BLOCK_C=16)
     search = {"SEARCH_BLOCK": GEOMETRY["search_block"], "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"],
-              "SMALL_CAP": GEOMETRY["small_cap"]}
+              "SMALL_CAP": GEOMETRY["small_cap"], "GATHER_BLOCK": GEOMETRY["gather_block"]}
     # The GPU's chunks are one block each (chunk_is_block); a chunk of several blocks, as tests force, takes the
     # online-sum loop: compiled once, fused.
     # FILTERS=False (top_k and top_p passed as None) compiles the histograms out; fused, min-p alone.

@@ -485,11 +485,6 @@ def outlier_case(top_k: list[int]):
     return target, (torch.ones(n), torch.tensor(top_k), torch.ones(n), torch.zeros(n))
 
 
-def _key_to_float(key: int) -> torch.Tensor:
-    """The float32 whose order key (kernels' _order_key_tl) is `key`."""
-    return torch.tensor([key if key >= 0 else key ^ 0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
-
-
 class _NoLaunch:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
@@ -508,50 +503,63 @@ def test_triton_outlier_maximum_keeps_a_tight_candidate_bound(monkeypatch):
     for g, row in enumerate(rows):
         top_k = int(params[1][g // 2])
         kth = row.sort(descending=True).values[top_k - 1]
-        bound = _key_to_float(int(stats[g, 1]))
+        bound = stats[g, 1:2].view(torch.float32)  # the candidates' floor in x, as float32 bits
         above = int((row >= bound).sum())
         assert bound <= kth and above <= 2 * top_k + 16, (g, float(bound), float(kth), above)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_triton_gather_floor_is_exact():
-    """The filter pass compares logits x with a float floor in place of key(x / t) >= lo: the floor is the least
-    float32 whose z qualifies (z by the kernels' own division, which on the GPU need not round as torch's does), so
-    the float below it does not, for temperatures that merge neighbouring floats (t < 1), split them (t > 1) and
-    extreme ones, at keys of negative, zero and large z and at key(-inf), where every x qualifies."""
+def test_triton_finish_checks_the_floor():
+    """The filter pass's finish accepts the thresholds it finds among the candidates (the logits x >= x_floor) only
+    above z_floor = x_floor / t, where the candidates hold every entry (an entry just below x_floor may share the
+    cut-off's z), unless x_floor is -inf; and only when the candidates reach the kept set (top_k of them, or top_p
+    of the mass). Else the row takes the full search."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def floor_kernel(lo_ptr, t_ptr, out_ptr, verdict_ptr):
+    def finish_kernel(x_ptr, count_ptr, floor_ptr, t_ptr, top_k_ptr, top_p_ptr, rest_ptr, tau_ptr, enough_ptr):
         i = tl.program_id(0)
-        lo = tl.load(lo_ptr + i)
+        index = tl.arange(0, 8)
+        count = tl.load(count_ptr + i)
+        x = tl.load(x_ptr + i * 8 + index, mask=index < count, other=float("-inf"))
         t = tl.load(t_ptr + i)
-        floor = kernels._x_floor_tl(lo, t)
-        below_key = kernels._order_key_tl(floor) - 1
-        below_key = tl.where(below_key == -1, -2, below_key)  # key -1 is -0.0, which compares as +0.0
-        below = kernels._key_value_tl(below_key)
-        at_floor = kernels._order_key_tl(floor / t) >= lo
-        below_fails = (kernels._order_key_tl(below / t) < lo) | (floor == float("-inf"))
-        tl.store(out_ptr + i, floor)
-        tl.store(verdict_ptr + i, (at_floor & below_fails).to(tl.int32))
+        top_k = tl.load(top_k_ptr + i)
+        top_p = tl.load(top_p_ptr + i)
+        m = tl.max(x, axis=0) / t
+        mass_all = tl.sum(tl.exp(x / t - m), axis=0) + tl.load(rest_ptr + i)  # rest: the non-candidates' mass
+        tau, _, enough = kernels._finish_sorted_tl(x, count, t, m, top_k > 0, top_k, mass_all, top_p < 1.0, top_p,
+                                                   0.0, tl.load(floor_ptr + i), 8)
+        tl.store(tau_ptr + i, kernels._key_value_tl(tau))
+        tl.store(enough_ptr + i, enough.to(tl.int32))
 
-    gen = torch.Generator().manual_seed(5)
-    z = torch.cat([torch.randn(40, generator=gen) * 10, torch.tensor([0.0, -0.0, 1e-40, -3.5, 7.0, 3e38, -3e38])])
-    bits = z.view(torch.int32)
-    keys = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    keys = torch.where(keys == -1, 0, keys)
-    # 1e38 and 1e-40 (a denormal): the GPU's division scales its operands there.
-    temperatures = torch.tensor([0.3, 0.7, 0.8, 1.0, 1.3, 2.0, 1e-3, 37.0, 1e-30, 1e30, 1e38, 1e-40])
-    lo = torch.cat([keys.repeat_interleave(len(temperatures)), torch.tensor([-2139095041] * len(temperatures))])
-    t = temperatures.repeat(len(z) + 1)
+    inf = float("inf")
+    # (candidates, floor, t, top_k, top_p, the others' mass, the expected threshold in z or None: the search)
+    cases = [([5, 4, 3, 2], 1.5, 1.0, 2, 1.0, 0.0, 4.0),     # tau_k above the floor
+             ([5, 4], 4.0, 1.0, 2, 1.0, 0.0, None),          # tau_k at the floor: an entry below may tie with it
+             ([5, 4, 3, 2], -inf, 1.0, 2, 1.0, 0.0, 4.0),    # every entry is a candidate
+             ([5, 4, 3, 2], -inf, 2.0, 2, 1.0, 0.0, 2.0),    # ... in z = x / t
+             ([5, 4], 3.5, 1.0, 3, 1.0, 0.0, None),          # fewer candidates than top_k
+             ([5, 4, 3], 2.5, 1.0, 0, 0.8, 0.0, 4.0),        # tau_p above the floor
+             ([5, 4], 4.0, 1.0, 0, 0.8, 0.0, None),          # tau_p at the floor
+             ([5, 4], 3.5, 1.0, 0, 0.999, 1.0, None),        # the candidates' mass does not reach top_p
+             ([5, 4, 3], 2.5, 1.0, 2, 0.5, 0.0, 5.0)]        # top-k then top-p
+    x = torch.full((len(cases), 8), -inf)
+    for i, case in enumerate(cases):
+        x[i, :len(case[0])] = torch.tensor(case[0], dtype=torch.float32)
     device = "cuda" if HAS_CUDA else "cpu"
-    floor = torch.empty(len(lo), device=device)
-    verdict = torch.empty(len(lo), dtype=torch.int32, device=device)
-    floor_kernel[(len(lo),)](lo.to(torch.int32).to(device), t.to(device), floor, verdict)
-    assert bool((verdict == 1).all()), (lo[verdict.cpu() == 0], t[verdict.cpu() == 0])
-    assert bool(torch.isneginf(floor[-len(temperatures):]).all())
-    assert not bool(torch.isneginf(floor[:-len(temperatures)]).any())
+    args = [x, torch.tensor([len(c[0]) for c in cases], dtype=torch.int32),
+            torch.tensor([c[1] for c in cases]), torch.tensor([c[2] for c in cases]),
+            torch.tensor([c[3] for c in cases], dtype=torch.int32), torch.tensor([c[4] for c in cases]),
+            torch.tensor([c[5] for c in cases])]
+    tau = torch.empty(len(cases), device=device)
+    enough = torch.empty(len(cases), dtype=torch.int32, device=device)
+    finish_kernel[(len(cases),)](*(a.to(device) for a in args), tau, enough)
+    for i, case in enumerate(cases):
+        expected = case[-1]
+        assert bool(enough[i]) == (expected is not None), (i, case)
+        if expected is not None:
+            assert float(tau[i]) == expected, (i, case, float(tau[i]))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

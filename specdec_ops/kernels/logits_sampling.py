@@ -25,20 +25,22 @@ memset; graph-capturable, no host sync).
    program: m = max(x) / T (the division rounds monotonically), S, the argmax (lowest index on ties), and for a
    filtered row the lower bound of its candidates: the shallowest bin boundary at which the aligned histograms
    count top_k entries (top-k on), or at which a lower bound of the mass reaches top_p * S (top-p alone); tau
-   holds that bound until pass 2.
+   holds the candidates' floor x_floor, just below that bound in x (float32 bits), until pass 2.
 2. `_filter_kernel` (rows no filter touches return at once; run by the statistics pass's last program instead when
    one program covers a row, so that no launch is spent on unfiltered rows; neither runs when the call passes None
    for top_k, top_p and min_p, and with top_k and top_p both None the histograms are compiled out of pass 1): every
-   program appends its chunks' logits x whose z = x / t lie at or above the bound to the row's candidates (compared
-   with the least such x, found once per program by bisection (`_x_floor_tl`), so no entry is divided; one atomic
-   on the row's slot counter per candidate; at most CAP are stored); the last program divides them, sorts them in
-   registers (tl.sort, tl.cumsum; SMALL_CAP entries when there are that few, else CAP: the size is a function of
-   the row alone, and the candidates' order does not matter) and finds tau_k, M_k, tau_p and S
-   exactly, ties at the cut-off kept, as the contract says. The bound is only a guess: the finish checks that the
-   candidates (an upper set of z) hold the kept set (at least top_k of them, or a mass reaching top_p * M_k); a row
-   that fails, or has more than CAP candidates (top-p over a flat distribution), takes the full threshold search in
-   that program (`_search_fallback_tl`: passes of NUM_PROBES candidate thresholds over the row until the key is
-   exact, then a pass for S). min-p alone needs no search: the chunks' kept masses are summed in chunk order.
+   program stores its chunks' logits x >= x_floor (no division per entry), in order by a scan per block (no
+   atomics), in a segment of its own (at most CAP) and their count; the last program reads the segments as one
+   list, divides it, sorts it in registers (tl.sort, tl.cumsum; SMALL_CAP entries when there are that few, else
+   CAP: the size is a function of the row alone, and the candidates' order does not matter) and finds tau_k, M_k,
+   tau_p and S exactly, ties at the cut-off kept, as the contract says. x / t rounds monotonically in x (the GPU's
+   div.full.f32 too: its operand scaling depends on t alone), so the candidates hold every entry whose z exceeds
+   z_floor = x_floor / t. The bound is only a guess: the finish checks that the thresholds it found lie above
+   z_floor and that the candidates hold the kept set (at least top_k of them, or a mass reaching top_p * M_k); a
+   row that fails, or has more than CAP candidates (top-p over a flat distribution), takes the full threshold
+   search in that program (`_search_fallback_tl`: passes of NUM_PROBES candidate thresholds over the row until the
+   key is exact, then a pass for S). min-p alone needs no search: the chunks' kept masses are summed in chunk
+   order.
 3. Token-wise verification, `_race_verify_kernel` over (B, chunks): every program evaluates the k accept tests
    (p(x), q(x) from the statistics and one logit each), races its chunk of the rejected/bonus row j with the
    segmented race of specdec_ops/ops/sampling.py and folds its winner (key bits, V-1-token) into the request's
@@ -172,32 +174,56 @@ def _min_e_tl(min_p):
     return tl.where(min_p > 0, tl.minimum(min_p, 1.0), 0.0)
 
 @triton.jit
-def _finish_sorted_tl(scratch_ptr, count, t, m, k_on, top_k, mass_all, p_on, top_p, min_e, CAP: tl.constexpr):
-    """The exact thresholds and kept mass from `count` (<= CAP) candidate logits x in the row's scratch, whose
-    z = x / t are an upper set of z. Returns (tau key int32, S, whether the candidates hold the kept set: at least
-    top_k of them with top-k on, else a mass of at least top_p * mass_all). mass_all: the row's mass (M_k with top-k
-    off)."""
+def _load_candidates_tl(segments_ptr, counts, SIZE: tl.constexpr, CAP: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The row's candidates as one list x [SIZE] (-inf past their total, which is at most SIZE): program s of the
+    row stored counts[s] of them at segments_ptr [s, 0:counts[s]] (counts [BLOCK_P] int32, 0 past the row's
+    programs); candidate j is entry j - start of the segment whose span [start, end) holds j. One [SIZE] vector per
+    step (a [SIZE, BLOCK_P] comparison would hold SIZE * BLOCK_P values in registers)."""
+    j = tl.arange(0, SIZE)
+    each = tl.arange(0, BLOCK_P)
+    segment = tl.zeros([SIZE], tl.int32)
+    start = tl.zeros([SIZE], tl.int32)
+    end = tl.zeros([], tl.int32)
+    for s in tl.static_range(BLOCK_P):
+        end += tl.sum(tl.where(each == s, counts, 0), axis=0)
+        past = j >= end
+        segment += past.to(tl.int32)
+        start = tl.where(past, end, start)
+    return tl.load(segments_ptr + segment.to(tl.int64) * CAP + (j - start), mask=j < end, other=float("-inf"),
+                   cache_modifier=".cg")
+
+
+@triton.jit
+def _finish_sorted_tl(x, count, t, m, k_on, top_k, mass_all, p_on, top_p, min_e, x_floor, CAP: tl.constexpr):
+    """The exact thresholds and kept mass from `count` (<= CAP) candidate logits x [CAP] (-inf past count), the
+    row's x >= x_floor. Returns (tau key int32, S, whether the candidates hold the kept set). They hold every entry
+    whose z = x / t exceeds z_floor = x_floor / t (x / t rounds monotonically in x), and some entries at z_floor:
+    the thresholds found among them are exact when they lie above z_floor (or x_floor is -inf: every entry is a
+    candidate) and the candidates reach the kept set's size (top_k of them with top-k on, else a mass of top_p *
+    mass_all). mass_all: the row's mass (M_k with top-k off)."""
     index = tl.arange(0, CAP)
     # The padding is -inf in z (after the division: -inf / +inf would be NaN).
-    z = tl.where(index < count, tl.load(scratch_ptr + index, mask=index < count, cache_modifier=".cg") / t,
-                 float("-inf"))
+    z = tl.where(index < count, x / t, float("-inf"))
     sorted_z = tl.sort(z, descending=True)
     e = tl.exp(sorted_z - m)  # 0 for the -inf padding
+    z_floor = x_floor / t
+    every_entry = x_floor == float("-inf")
     tau_k_z = tl.full([], float("-inf"), tl.float32)
     mass_k = mass_all
     enough = count >= 1
     if k_on:
         tau_k_z = tl.max(tl.where(index == top_k - 1, sorted_z, float("-inf")), axis=0)
         mass_k = tl.sum(tl.where(sorted_z >= tau_k_z, e, 0.0), axis=0)
-        enough = count >= top_k
+        enough = (count >= top_k) & ((tau_k_z > z_floor) | every_entry)
     tau_z = tau_k_z
     if p_on:
         # The first sorted position whose cumulative mass reaches top_p * M_k; its value is tau_p.
         cumulative = tl.cumsum(e, axis=0)
         first = tl.sum((cumulative < top_p * mass_k).to(tl.int32), axis=0)
-        enough = tl.where(k_on, enough, first < count)
-        first = tl.minimum(first, count - 1)
-        tau_z = tl.maximum(tau_z, tl.max(tl.where(index == first, sorted_z, float("-inf")), axis=0))
+        tau_p_z = tl.max(tl.where(index == tl.minimum(first, count - 1), sorted_z, float("-inf")), axis=0)
+        # With top-k on, tau_p >= tau_k, which the check above placed above z_floor.
+        enough = tl.where(k_on, enough, (first < count) & ((tau_p_z > z_floor) | every_entry))
+        tau_z = tl.maximum(tau_z, tau_p_z)
     mass = tl.sum(tl.where((sorted_z >= tau_z) & (e >= min_e), e, 0.0), axis=0)
     return _order_key_tl(tau_z), mass, enough
 
@@ -351,23 +377,23 @@ def _anchored_top_k_bound_tl(hist_ptr, bins, in_row, top_k, NUM_BINS: tl.constex
 @triton.jit
 def _stats_kernel(
     target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, partial_ptr, hist_ptr,
-    ticket_ptr, candidates_ptr, kept_mass_ptr, workspace_ptr, k, vocab, chunk_len, num_chunks, chunks_per_program,
-    rows_per_request, t_stride_b, t_stride_i, d_stride_b, d_stride_i, temperature_stride, top_k_stride, top_p_stride,
-    min_p_stride,
+    ticket_ptr, candidates_ptr, counts_ptr, kept_mass_ptr, workspace_ptr, k, vocab, chunk_len, num_chunks,
+    chunks_per_program, rows_per_request, t_stride_b, t_stride_i, d_stride_b, d_stride_i, temperature_stride,
+    top_k_stride, top_p_stride, min_p_stride,
     HAS_DRAFT_LOGITS: tl.constexpr, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
     NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr, BLOCK_C: tl.constexpr,
     FUSED_FILTER: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr,
-    FILTERS: tl.constexpr,
+    GATHER_BLOCK: tl.constexpr, FILTERS: tl.constexpr,
 ):
     """Row g = b * rows_per_request + r (target row r <= k, else draft row r - k - 1), program p: the statistics of
     chunks p * chunks_per_program .. (p + 1) * chunks_per_program - 1 (of num_chunks, each chunk_len entries) into
     partial [g, c, 4] (and their histograms into hist [g, c, NUM_BINS] for a row that top-k or top-p filters); the
     row's last program combines them in chunk order into stats [g] = (m, tau, S, argmax): tau is -inf's key, or for
-    a filtered row the lower bound of the filter pass's candidates; with one-block chunks S holds only for a random
-    row and the argmax only for a greedy row, the one each reads. FUSED_FILTER: that program then runs the filter
-    pass over the whole row itself (no `_filter_kernel` launch). FILTERS: top_k or top_p was given (else no row
-    is filtered, and the histograms are compiled out)."""
+    a filtered row the filter pass's candidate floor in x (float32 bits), a lower bound of the kept set's logits;
+    with one-block chunks S holds only for a random row and the argmax only for a greedy row, the one each reads.
+    FUSED_FILTER: that program then runs the filter pass over the whole row itself (no `_filter_kernel` launch).
+    FILTERS: top_k or top_p was given (else no row is filtered, and the histograms are compiled out)."""
     g = tl.program_id(0).to(tl.int64)
     num_programs = tl.num_programs(1)
     c_first = tl.program_id(1) * chunks_per_program
@@ -430,43 +456,35 @@ def _stats_kernel(
                     bound_x = _anchored_top_k_bound_tl(hist_ptr + g * num_chunks * NUM_BINS, bins, in_row, top_k,
                                                        NUM_BINS, BLOCK_C) / BIN_SCALE
                     ok = bound_x > float("-inf")
-            tau = tl.where(ok, _order_key_tl(bound_x / t), tau)
+            # The filter pass's floor in x, stored as float32 bits: just below the bound, so that entries at the
+            # bound's own z (integer logits meet a bin boundary) are candidates and the cut-off lies above z_floor.
+            x_floor = tl.where(ok, bound_x - (tl.abs(bound_x) * 9.5367431640625e-07 + 7.888609052210118e-31),
+                               float("-inf"))  # 2^-20 of the bound, and 2^-100 at a bound of 0
+            tau = x_floor.to(tl.int32, bitcast=True)
         _store_stats_tl(stats_ptr + g * 4, m, tau, mass, argmax)
         if FUSED_FILTER:
             tl.debug_barrier()  # the statistics are stored before the filter pass reads them
             min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
-            _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, 1, 0, num_chunks, num_chunks, chunk_len, vocab,
-                           temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, kept_mass_ptr, workspace_ptr,
-                           k, t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK,
-                           NUM_PROBES, CAP, SMALL_CAP, BLOCK_C)
+            _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, 0, 1, 0, num_chunks, num_chunks, chunk_len,
+                           vocab, temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, counts_ptr,
+                           kept_mass_ptr, workspace_ptr, k, t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V,
+                           NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK)
 
 @triton.jit
-def _x_floor_tl(lo, t):
-    """The least float32 x with key(x / t) >= lo (finite t > 0; -inf when every x qualifies): x / t rounds
-    monotonically in x (the GPU's div.full.f32 too: its operand scaling depends on t alone), so x >= this floor holds
-    exactly when key(x / t) >= lo, for every non-NaN x, with no division per entry. A bisection over the order keys
-    of x."""
-    low = tl.full([], -2139095041, tl.int64)  # key(-inf)
-    high = tl.full([], 2139095040, tl.int64)  # key(+inf): +inf / t = +inf qualifies
-    for _ in range(33):  # the key range is under 2^32 wide
-        mid = (low + high) // 2
-        qualifies = _order_key_tl(_key_value_tl(mid.to(tl.int32)) / t) >= lo
-        high = tl.where(qualifies, mid, high)
-        low = tl.where(qualifies, low, mid)
-    return _key_value_tl(tl.where(_order_key_tl(float("-inf") / t) >= lo, low, high).to(tl.int32))
-
-@triton.jit
-def _gather_chunk_tl(row_ptr, start, end, x_floor, candidates_ptr, slot_ptr, CAP: tl.constexpr,
-                     BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Appends the logits x >= x_floor of [start, end) to the row's candidates (at most CAP are stored; the row's
-    int64 slot counter counts them all), one atomic per candidate: few entries qualify."""
-    for v0 in tl.range(start, end, BLOCK_V, num_stages=NUM_STAGES):
-        v = v0 + tl.arange(0, BLOCK_V)
+def _gather_span_tl(row_ptr, start, end, x_floor, segment_ptr, CAP: tl.constexpr, GATHER_BLOCK: tl.constexpr,
+                    NUM_STAGES: tl.constexpr):
+    """Stores the logits x >= x_floor of [start, end) at segment_ptr [0:CAP], in order (a scan per block: no
+    atomics, no wait on memory inside the loop), and returns how many there are (those past CAP are counted, not
+    stored)."""
+    count = tl.zeros([], tl.int32)
+    for v0 in tl.range(start, end, GATHER_BLOCK, num_stages=NUM_STAGES):
+        v = v0 + tl.arange(0, GATHER_BLOCK)
         x = tl.load(row_ptr + v, mask=v < end, other=float("-inf")).to(tl.float32)
-        candidate = (v < end) & (x >= x_floor)
-        position = tl.atomic_add(slot_ptr + tl.zeros([BLOCK_V], tl.int32), tl.full([BLOCK_V], 1, tl.int64),
-                                 mask=candidate, sem="relaxed")
-        tl.store(candidates_ptr + position, x, mask=candidate & (position < CAP))
+        candidate = ((v < end) & (x >= x_floor)).to(tl.int32)
+        position = count + tl.cumsum(candidate, axis=0) - candidate
+        tl.store(segment_ptr + position, x, mask=(candidate > 0) & (position < CAP))
+        count += tl.sum(candidate, axis=0)
+    return count
 
 @triton.jit
 def _chunk_kept_mass_tl(row_ptr, start, end, t, m, min_e, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -506,14 +524,15 @@ def _search_fallback_tl(row_ptr, vocab, t, m, mass_all, k_on, top_k, p_on, top_p
     return tau32, tl.sum(kept_mass, axis=0)
 
 @triton.jit
-def _span_filter_tl(row_ptr, c_first, c_last, chunk_len, vocab, t, m, lo, min_e, searched, candidates, slot_ptr,
-                    kept_mass_ptr, CAP: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """The filter pass over chunks c_first .. c_last - 1 of one row: with top-k or top-p on, their entries with key
-    >= lo appended to the candidates (in any order: the finish sorts them); else (min-p alone) each chunk's kept
-    mass into kept_mass_ptr [c], a sum over that chunk alone."""
+def _span_filter_tl(row_ptr, c_first, c_last, chunk_len, vocab, t, m, x_floor, min_e, searched, segment_ptr,
+                    count_ptr, kept_mass_ptr, CAP: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
+                    GATHER_BLOCK: tl.constexpr):
+    """The filter pass over chunks c_first .. c_last - 1 of one row: with top-k or top-p on, their logits x >= x_floor
+    into this program's segment of the candidates and their count into count_ptr; else (min-p alone) each chunk's
+    kept mass into kept_mass_ptr [c], a sum over that chunk alone."""
     if searched:
-        _gather_chunk_tl(row_ptr, c_first * chunk_len, tl.minimum(c_last * chunk_len, vocab), _x_floor_tl(lo, t),
-                         candidates, slot_ptr, CAP, BLOCK_V, NUM_STAGES)
+        tl.store(count_ptr, _gather_span_tl(row_ptr, c_first * chunk_len, tl.minimum(c_last * chunk_len, vocab),
+                                            x_floor, segment_ptr, CAP, GATHER_BLOCK, NUM_STAGES))
     else:
         for c in range(c_first, c_last):
             start = c * chunk_len
@@ -522,44 +541,56 @@ def _span_filter_tl(row_ptr, c_first, c_last, chunk_len, vocab, t, m, lo, min_e,
 
 
 @triton.jit
-def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, num_programs, c_first, c_last, num_chunks, chunk_len,
-                   vocab, temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, partial_ptr, workspace_ptr, k,
-                   t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr,
-                   SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Chunks c_first .. c_last - 1 of row g's filter pass (one of num_programs programs; see `_filter_kernel`)."""
+def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, program, num_programs, c_first, c_last, num_chunks,
+                   chunk_len, vocab, temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, counts_ptr,
+                   partial_ptr, workspace_ptr, k, t_stride_b, t_stride_i, d_stride_b, d_stride_i,
+                   BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                   NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
+                   GATHER_BLOCK: tl.constexpr):
+    """Chunks c_first .. c_last - 1 of row g's filter pass (program `program` of num_programs; see
+    `_filter_kernel`)."""
     k_on = (top_k > 0) & (top_k < vocab)
     p_on = top_p < 1.0
     searched = k_on | p_on
+    # The row's statistics load beside the filter parameters, before the branch that needs them.
+    m = tl.load(stats_ptr + g * 4).to(tl.float32, bitcast=True)
+    lo = tl.load(stats_ptr + g * 4 + 1)
+    mass_all = tl.load(stats_ptr + g * 4 + 2).to(tl.float32, bitcast=True)
     if (temperature > 0) & (searched | (min_e > 0)):
         t = temperature
-        m = tl.load(stats_ptr + g * 4).to(tl.float32, bitcast=True)
-        lo = tl.load(stats_ptr + g * 4 + 1)
-        candidates = candidates_ptr + g * CAP
-        slot_ptr = workspace_ptr + 2 * g
+        x_floor = lo.to(tl.float32, bitcast=True)  # a searched row's slot holds the candidates' floor
+        segments = candidates_ptr + g * num_programs * CAP
+        counts = counts_ptr + g * num_programs
         if r <= k:
             _span_filter_tl(target_ptr + b * t_stride_b + r * t_stride_i, c_first, c_last, chunk_len, vocab, t, m,
-                            lo, min_e, searched, candidates, slot_ptr, partial_ptr + g * num_chunks, CAP, BLOCK_V,
-                            NUM_STAGES)
+                            x_floor, min_e, searched, segments + program * CAP, counts + program,
+                            partial_ptr + g * num_chunks, CAP, BLOCK_V, NUM_STAGES, GATHER_BLOCK)
         else:
             _span_filter_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, c_first, c_last, chunk_len,
-                            vocab, t, m, lo, min_e, searched, candidates, slot_ptr, partial_ptr + g * num_chunks,
-                            CAP, BLOCK_V, NUM_STAGES)
+                            vocab, t, m, x_floor, min_e, searched, segments + program * CAP, counts + program,
+                            partial_ptr + g * num_chunks, CAP, BLOCK_V, NUM_STAGES, GATHER_BLOCK)
         tl.debug_barrier()  # every thread's candidates and masses are stored before the ticket publishes them
-        if take_ticket_tl(workspace_ptr + 2 * g + 1) == num_programs - 1:
-            reset_ticket_tl(workspace_ptr + 2 * g + 1)
-            count = tl.atomic_xchg(slot_ptr, 0, sem="relaxed").to(tl.int32)
-            mass_all = tl.load(stats_ptr + g * 4 + 2).to(tl.float32, bitcast=True)
+        if take_ticket_tl(workspace_ptr + g) == num_programs - 1:
+            reset_ticket_tl(workspace_ptr + g)
             if searched:
+                each = tl.arange(0, BLOCK_C)
+                row_counts = tl.load(counts + each, mask=each < num_programs, other=0, cache_modifier=".cg")
+                count = tl.sum(row_counts, axis=0)
                 # The sort's size follows the row's candidate count (a function of the row alone): few candidates,
-                # as top-k over LLM-like rows gives, take the short sort.
+                # as top-k over LLM-like rows gives, take the short sort. Past CAP the segments were not all stored.
+                tau = lo
+                mass = mass_all
+                enough = count <= CAP
                 if count <= SMALL_CAP:
-                    tau, mass, enough = _finish_sorted_tl(candidates, count, t, m, k_on, top_k, mass_all, p_on,
-                                                          top_p, min_e, SMALL_CAP)
-                else:
-                    tau, mass, enough = _finish_sorted_tl(candidates, tl.minimum(count, CAP), t, m, k_on, top_k,
-                                                          mass_all, p_on, top_p, min_e, CAP)
-                if (count > CAP) | (~enough):
+                    tau, mass, enough = _finish_sorted_tl(_load_candidates_tl(segments, row_counts, SMALL_CAP, CAP,
+                                                                              BLOCK_C),
+                                                          count, t, m, k_on, top_k, mass_all, p_on, top_p, min_e,
+                                                          x_floor, SMALL_CAP)
+                elif enough:
+                    tau, mass, enough = _finish_sorted_tl(_load_candidates_tl(segments, row_counts, CAP, CAP, BLOCK_C),
+                                                          count, t, m, k_on, top_k, mass_all, p_on, top_p, min_e,
+                                                          x_floor, CAP)
+                if ~enough:
                     if r <= k:
                         tau, mass = _search_fallback_tl(target_ptr + b * t_stride_b + r * t_stride_i, vocab, t, m,
                                                         mass_all, k_on, top_k, p_on, top_p, min_e, BLOCK_V,
@@ -580,30 +611,32 @@ def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, num_programs, c_first,
 @triton.jit
 def _filter_kernel(
     target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, candidates_ptr,
-    partial_ptr, workspace_ptr, k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request, t_stride_b,
-    t_stride_i, d_stride_b, d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
+    counts_ptr, partial_ptr, workspace_ptr, k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request,
+    t_stride_b, t_stride_i, d_stride_b, d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
     HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
+    GATHER_BLOCK: tl.constexpr,
 ):
     """The thresholds of the filtered rows (rows no filter touches return at once). Program p of row g covers
-    chunks p * chunks_per_program .. (p + 1) * chunks_per_program - 1: their entries at or above the statistics
-    pass's bound go to the row's candidates [g, CAP] (with top-k or top-p on), or each chunk's kept mass to partial
-    [g, c] (min-p alone); the row's last program sorts the candidates and writes the exact tau and S into stats
-    [g]. A row with more than CAP candidates, or whose candidates do not hold the kept set, takes the full
-    threshold search in that program."""
+    chunks p * chunks_per_program .. (p + 1) * chunks_per_program - 1: with top-k or top-p on, their logits at or
+    above the statistics pass's floor go, in order, to the program's segment candidates [g, p, CAP] and their count
+    to counts [g, p]; with min-p alone each chunk's kept mass goes to partial [g, c]. The row's last program sorts
+    the candidates and writes the exact tau and S into stats [g]. A row with more than CAP candidates, or whose
+    candidates do not hold the kept set, takes the full threshold search in that program."""
     g = tl.program_id(0).to(tl.int64)
-    c_first = tl.program_id(1) * chunks_per_program
+    program = tl.program_id(1)
+    c_first = program * chunks_per_program
     b = g // rows_per_request
     r = g % rows_per_request
     temperature = tl.load(temperature_ptr + b * temperature_stride)
     top_k = tl.load(top_k_ptr + b * top_k_stride).to(tl.int64)
     top_p = tl.load(top_p_ptr + b * top_p_stride)
     min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
-    _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, tl.num_programs(1), c_first,
+    _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, program, tl.num_programs(1), c_first,
                    tl.minimum(c_first + chunks_per_program, num_chunks), num_chunks, chunk_len, vocab, temperature,
-                   top_k, top_p, min_e, stats_ptr, candidates_ptr, partial_ptr, workspace_ptr, k, t_stride_b,
-                   t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP,
-                   BLOCK_C)
+                   top_k, top_p, min_e, stats_ptr, candidates_ptr, counts_ptr, partial_ptr, workspace_ptr, k,
+                   t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES,
+                   CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK)
 
 @triton.jit
 def _prob_tl(x, t, m, tau, mass, min_e):
@@ -1045,11 +1078,13 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     stats = torch.empty((rows, 4), dtype=torch.int32, device=device)
     partial = torch.empty((rows, num_chunks, 4), dtype=torch.int32, device=device)
     hist = torch.empty((rows, num_chunks, geometry["hist_bins"]), dtype=torch.int32, device=device)
-    candidates = torch.empty((rows, cap), dtype=torch.float32, device=device)
+    # Each program of a row stores its candidates in a segment of its own (up to CAP, so the row's capacity does not
+    # depend on how many programs share it) and their count.
+    candidates = torch.empty((rows, programs, cap), dtype=torch.float32, device=device)
+    counts = torch.empty((rows, programs), dtype=torch.int32, device=device)
     kept_mass = torch.empty((rows, num_chunks), dtype=torch.float32, device=device)
-    # Per row: the candidates' slot counter and the filter pass's ticket, then the statistics pass's tickets; zero
-    # between calls.
-    workspace = zeroed_scratch(device, 3 * rows)
+    # The filter pass's tickets, then the statistics pass's: one per row each; zero between calls.
+    workspace = zeroed_scratch(device, 2 * rows)
     block_c = triton.next_power_of_2(num_chunks)
     filters = top_k is not None or top_p is not None
     # No filter given: the statistics are final, and no filter pass runs (not even one that returns at once).
@@ -1062,11 +1097,13 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     param_strides = (temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0))
     # The interpreter's cap is small (_gather_cap); a quarter of it keeps both sorts in the CPU tests.
     search = dict(SEARCH_BLOCK=min(geometry["search_block"], block_v), NUM_PROBES=geometry["num_probes"], CAP=cap,
-                  SMALL_CAP=max(1, min(cap, geometry["small_cap"] if device.type == "cuda" else cap // 4)))
+                  SMALL_CAP=max(1, min(cap, geometry["small_cap"] if device.type == "cuda" else cap // 4)),
+                  GATHER_BLOCK=min(geometry["gather_block"], block_v))
     grid = (rows, programs)
     common = (k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request, *strides, *param_strides)
     _stats_kernel[grid](
-        target, draft, *params, stats, partial, hist, workspace[2 * rows:], candidates, kept_mass, workspace, *common,
+        target, draft, *params, stats, partial, hist, workspace[rows:], candidates, counts, kept_mass, workspace,
+        *common,
         HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v, BLOCK_V=block_v,
         NUM_STAGES=geometry["num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
         HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
@@ -1074,7 +1111,7 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     )
     if filter_pass and not fused_filter:
         _filter_kernel[grid](
-            target, draft, *params, stats, candidates, kept_mass, workspace, *common,
+            target, draft, *params, stats, candidates, counts, kept_mass, workspace, *common,
             HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"], BLOCK_C=block_c,
             **search, num_warps=geometry["stats_num_warps"],
         )
