@@ -465,6 +465,7 @@ def _stats_kernel(
         if FUSED_FILTER:
             tl.debug_barrier()  # the statistics are stored before the filter pass reads them
             min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
+            # As the row's one program: one segment per row (rows * CAP of the [rows, programs, CAP] candidates).
             _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, 0, 1, 0, num_chunks, num_chunks, chunk_len,
                            vocab, temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, counts_ptr,
                            kept_mass_ptr, workspace_ptr, k, t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V,
