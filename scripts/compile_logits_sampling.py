@@ -54,7 +54,8 @@ def main() -> int:
     ok = True
     rows = dict(BLOCK_V=GEOMETRY["stats_block_v"], NUM_STAGES=GEOMETRY["num_stages"], BLOCK_C=16)
     search = {"SEARCH_BLOCK": GEOMETRY["search_block"], "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"],
-              "SMALL_CAP": GEOMETRY["small_cap"], "GATHER_BLOCK": GEOMETRY["gather_block"]}
+              "SMALL_CAP": GEOMETRY["small_cap"], "GATHER_BLOCK": GEOMETRY["gather_block"],
+              "GATHER_RUN": GEOMETRY["gather_run"]}
     # The GPU's chunks are one block each (chunk_is_block); a chunk of several blocks, as tests force, takes the
     # online-sum loop: compiled once, fused.
     # FILTERS=False (top_k and top_p passed as None) compiles the histograms out; fused, min-p alone.

@@ -68,10 +68,10 @@ def _smid():
     return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 """),
     ("""\
-    GATHER_BLOCK: tl.constexpr, FILTERS: tl.constexpr,
+    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr,
 ):""",
      """\
-    GATHER_BLOCK: tl.constexpr, FILTERS: tl.constexpr, stats_timer_ptr,
+    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr, stats_timer_ptr,
 ):"""),
     ("""\
     g = tl.program_id(0).to(tl.int64)
@@ -105,15 +105,16 @@ def _smid():
         tl.store(st_rec + 3, _gtime())
 """),
     ("""\
-NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK)""",
+NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN)""",
      """\
-NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, stats_ptr, 0, 0, False)"""),
+NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN, stats_ptr, 0, 0, False)"""),
     ("""\
                    NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-                   GATHER_BLOCK: tl.constexpr):""",
+                   GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr):""",
      """\
                    NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-                   GATHER_BLOCK: tl.constexpr, timer_ptr, t_start, c_start, TIMED: tl.constexpr):"""),
+                   GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr,
+                   timer_ptr, t_start, c_start, TIMED: tl.constexpr):"""),
     ("""\
         tl.debug_barrier()  # every thread's candidates and masses are stored before the ticket publishes them
         if take_ticket_tl(workspace_ptr + g) == num_programs - 1:
@@ -146,11 +147,11 @@ NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, sta
 """),
     ("""\
     NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-    GATHER_BLOCK: tl.constexpr,
+    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr,
 ):""",
      """\
     NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-    GATHER_BLOCK: tl.constexpr, timer_ptr,
+    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, timer_ptr,
 ):"""),
     ("""\
     g = tl.program_id(0).to(tl.int64)
@@ -165,10 +166,10 @@ NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, sta
     c_first = program * chunks_per_program
 """),
     ("""\
-                   CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK)
+                   CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN)
 """,
      """\
-                   CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, timer_ptr, t_start, c_start, True)
+                   CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN, timer_ptr, t_start, c_start, True)
 """),
     ("""\
     grid = (rows, programs)

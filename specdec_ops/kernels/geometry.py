@@ -64,6 +64,10 @@ LOGITS_SAMPLING = dict(
     # The filter pass's block: its scan over a 2048-entry block took 121 registers per thread, 96 over 1024 (triton
     # 3.6, sm_90).
     gather_block=1024,
+    # The filter pass's scan: 8 = each thread holds runs of 8 consecutive entries (one 16-byte load of bf16) and
+    # scans only the runs' counts across threads (175 SASS instructions per block, sm_90, triton 3.9); 1 = one scan
+    # over the whole block (448).
+    gather_run=8,
     search_block=256,
     num_probes=16,
     fused_filter=2,  # each row's last statistics program runs the filter pass: 0 never, 1 always, 2 when it is the

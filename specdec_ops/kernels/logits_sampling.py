@@ -384,7 +384,7 @@ def _stats_kernel(
     NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr, BLOCK_C: tl.constexpr,
     FUSED_FILTER: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr,
-    GATHER_BLOCK: tl.constexpr, FILTERS: tl.constexpr,
+    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr,
 ):
     """Row g = b * rows_per_request + r (target row r <= k, else draft row r - k - 1), program p: the statistics of
     chunks p * chunks_per_program .. (p + 1) * chunks_per_program - 1 (of num_chunks, each chunk_len entries) into
@@ -469,22 +469,72 @@ def _stats_kernel(
             _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, 0, 1, 0, num_chunks, num_chunks, chunk_len,
                            vocab, temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, counts_ptr,
                            kept_mass_ptr, workspace_ptr, k, t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V,
-                           NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK)
+                           NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN)
+
+@triton.jit
+def _run_of_8_tl(x):
+    """x [N] as 8 tensors [N / 8]: entry j of each run of 8 consecutive entries (tl.split keeps a split's halves in
+    one thread, so each thread holds whole runs)."""
+    pairs_0, pairs_1 = tl.split(x.reshape([x.shape[0] // 2, 2]))
+    quads_0, quads_2 = tl.split(pairs_0.reshape([x.shape[0] // 4, 2]))
+    quads_1, quads_3 = tl.split(pairs_1.reshape([x.shape[0] // 4, 2]))
+    x0, x4 = tl.split(quads_0.reshape([x.shape[0] // 8, 2]))
+    x2, x6 = tl.split(quads_2.reshape([x.shape[0] // 8, 2]))
+    x1, x5 = tl.split(quads_1.reshape([x.shape[0] // 8, 2]))
+    x3, x7 = tl.split(quads_3.reshape([x.shape[0] // 8, 2]))
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _store_candidate_tl(segment_ptr, x, candidate, position, CAP: tl.constexpr):
+    tl.store(segment_ptr + position, x, mask=candidate & (position < CAP))
+
 
 @triton.jit
 def _gather_span_tl(row_ptr, start, end, x_floor, segment_ptr, CAP: tl.constexpr, GATHER_BLOCK: tl.constexpr,
-                    NUM_STAGES: tl.constexpr):
-    """Stores the logits x >= x_floor of [start, end) at segment_ptr [0:CAP], in order (a scan per block: no
-    atomics, no wait on memory inside the loop), and returns how many there are (those past CAP are counted, not
-    stored)."""
+                    GATHER_RUN: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Stores the logits x >= x_floor of [start, end) at segment_ptr [0:CAP], in order, and returns how many there
+    are (those past CAP are counted, not stored). No atomics, no wait on memory inside the loop. GATHER_RUN 8: a
+    thread holds runs of 8 consecutive entries, so an entry's position is its run's offset (one scan over the runs'
+    counts) plus the candidates before it in its run (adds in registers); GATHER_RUN 1: one scan over the block."""
     count = tl.zeros([], tl.int32)
     for v0 in tl.range(start, end, GATHER_BLOCK, num_stages=NUM_STAGES):
         v = v0 + tl.arange(0, GATHER_BLOCK)
-        x = tl.load(row_ptr + v, mask=v < end, other=float("-inf")).to(tl.float32)
-        candidate = ((v < end) & (x >= x_floor)).to(tl.int32)
-        position = count + tl.cumsum(candidate, axis=0) - candidate
-        tl.store(segment_ptr + position, x, mask=(candidate > 0) & (position < CAP))
-        count += tl.sum(candidate, axis=0)
+        # Padding loads as NaN, which compares false with any floor (-inf included); so does a NaN logit.
+        x = tl.load(row_ptr + v, mask=v < end, other=float("nan")).to(tl.float32)
+        if GATHER_RUN == 8:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _run_of_8_tl(x)
+            c0 = x0 >= x_floor
+            c1 = x1 >= x_floor
+            c2 = x2 >= x_floor
+            c3 = x3 >= x_floor
+            c4 = x4 >= x_floor
+            c5 = x5 >= x_floor
+            c6 = x6 >= x_floor
+            c7 = x7 >= x_floor
+            p1 = c0.to(tl.int32)
+            p2 = p1 + c1.to(tl.int32)
+            p3 = p2 + c2.to(tl.int32)
+            p4 = p3 + c3.to(tl.int32)
+            p5 = p4 + c4.to(tl.int32)
+            p6 = p5 + c5.to(tl.int32)
+            p7 = p6 + c6.to(tl.int32)
+            in_run = p7 + c7.to(tl.int32)
+            base = count + tl.cumsum(in_run, axis=0) - in_run
+            _store_candidate_tl(segment_ptr, x0, c0, base, CAP)
+            _store_candidate_tl(segment_ptr, x1, c1, base + p1, CAP)
+            _store_candidate_tl(segment_ptr, x2, c2, base + p2, CAP)
+            _store_candidate_tl(segment_ptr, x3, c3, base + p3, CAP)
+            _store_candidate_tl(segment_ptr, x4, c4, base + p4, CAP)
+            _store_candidate_tl(segment_ptr, x5, c5, base + p5, CAP)
+            _store_candidate_tl(segment_ptr, x6, c6, base + p6, CAP)
+            _store_candidate_tl(segment_ptr, x7, c7, base + p7, CAP)
+            count += tl.sum(in_run, axis=0)
+        else:
+            candidate = (x >= x_floor).to(tl.int32)
+            position = count + tl.cumsum(candidate, axis=0) - candidate
+            tl.store(segment_ptr + position, x, mask=(candidate > 0) & (position < CAP))
+            count += tl.sum(candidate, axis=0)
     return count
 
 @triton.jit
@@ -527,13 +577,13 @@ def _search_fallback_tl(row_ptr, vocab, t, m, mass_all, k_on, top_k, p_on, top_p
 @triton.jit
 def _span_filter_tl(row_ptr, c_first, c_last, chunk_len, vocab, t, m, x_floor, min_e, searched, segment_ptr,
                     count_ptr, kept_mass_ptr, CAP: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    GATHER_BLOCK: tl.constexpr):
+                    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr):
     """The filter pass over chunks c_first .. c_last - 1 of one row: with top-k or top-p on, their logits x >= x_floor
     into this program's segment of the candidates and their count into count_ptr; else (min-p alone) each chunk's
     kept mass into kept_mass_ptr [c], a sum over that chunk alone."""
     if searched:
         tl.store(count_ptr, _gather_span_tl(row_ptr, c_first * chunk_len, tl.minimum(c_last * chunk_len, vocab),
-                                            x_floor, segment_ptr, CAP, GATHER_BLOCK, NUM_STAGES))
+                                            x_floor, segment_ptr, CAP, GATHER_BLOCK, GATHER_RUN, NUM_STAGES))
     else:
         for c in range(c_first, c_last):
             start = c * chunk_len
@@ -547,7 +597,7 @@ def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, program, num_programs,
                    partial_ptr, workspace_ptr, k, t_stride_b, t_stride_i, d_stride_b, d_stride_i,
                    BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
                    NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-                   GATHER_BLOCK: tl.constexpr):
+                   GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr):
     """Chunks c_first .. c_last - 1 of row g's filter pass (program `program` of num_programs; see
     `_filter_kernel`)."""
     k_on = (top_k > 0) & (top_k < vocab)
@@ -565,11 +615,11 @@ def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, program, num_programs,
         if r <= k:
             _span_filter_tl(target_ptr + b * t_stride_b + r * t_stride_i, c_first, c_last, chunk_len, vocab, t, m,
                             x_floor, min_e, searched, segments + program * CAP, counts + program,
-                            partial_ptr + g * num_chunks, CAP, BLOCK_V, NUM_STAGES, GATHER_BLOCK)
+                            partial_ptr + g * num_chunks, CAP, BLOCK_V, NUM_STAGES, GATHER_BLOCK, GATHER_RUN)
         else:
             _span_filter_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, c_first, c_last, chunk_len,
                             vocab, t, m, x_floor, min_e, searched, segments + program * CAP, counts + program,
-                            partial_ptr + g * num_chunks, CAP, BLOCK_V, NUM_STAGES, GATHER_BLOCK)
+                            partial_ptr + g * num_chunks, CAP, BLOCK_V, NUM_STAGES, GATHER_BLOCK, GATHER_RUN)
         tl.debug_barrier()  # every thread's candidates and masses are stored before the ticket publishes them
         if take_ticket_tl(workspace_ptr + g) == num_programs - 1:
             reset_ticket_tl(workspace_ptr + g)
@@ -616,7 +666,7 @@ def _filter_kernel(
     t_stride_b, t_stride_i, d_stride_b, d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
     HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-    GATHER_BLOCK: tl.constexpr,
+    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr,
 ):
     """The thresholds of the filtered rows (rows no filter touches return at once). Program p of row g covers
     chunks p * chunks_per_program .. (p + 1) * chunks_per_program - 1: with top-k or top-p on, their logits at or
@@ -637,7 +687,7 @@ def _filter_kernel(
                    tl.minimum(c_first + chunks_per_program, num_chunks), num_chunks, chunk_len, vocab, temperature,
                    top_k, top_p, min_e, stats_ptr, candidates_ptr, counts_ptr, partial_ptr, workspace_ptr, k,
                    t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES,
-                   CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK)
+                   CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN)
 
 @triton.jit
 def _prob_tl(x, t, m, tau, mass, min_e):
@@ -1097,9 +1147,10 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     params = (temperature, top_k, top_p, min_p)
     param_strides = (temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0))
     # The interpreter's cap is small (_gather_cap); a quarter of it keeps both sorts in the CPU tests.
+    gather_block = min(geometry["gather_block"], block_v)
     search = dict(SEARCH_BLOCK=min(geometry["search_block"], block_v), NUM_PROBES=geometry["num_probes"], CAP=cap,
                   SMALL_CAP=max(1, min(cap, geometry["small_cap"] if device.type == "cuda" else cap // 4)),
-                  GATHER_BLOCK=min(geometry["gather_block"], block_v))
+                  GATHER_BLOCK=gather_block, GATHER_RUN=8 if geometry["gather_run"] == 8 and gather_block >= 8 else 1)
     grid = (rows, programs)
     common = (k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request, *strides, *param_strides)
     _stats_kernel[grid](
