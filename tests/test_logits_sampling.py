@@ -509,6 +509,48 @@ def test_triton_outlier_maximum_keeps_a_tight_candidate_bound(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("gather_run", [8, 1])
+def test_triton_gather_stores_candidates_in_order(gather_run):
+    """The filter pass's gather (`_gather_span_tl`, both scan forms): the logits x >= x_floor of [start, end), in
+    order, at the segment's start, and their count, those past CAP counted but not stored; NaN logits and the
+    padding past `end` are never candidates, even under a floor of -inf."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_kernel(row_ptr, start, end, floor_ptr, segment_ptr, count_ptr, CAP: tl.constexpr,
+                      GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr):
+        i = tl.program_id(0)
+        count = kernels._gather_span_tl(row_ptr, start, end, tl.load(floor_ptr + i), segment_ptr + i * CAP, CAP,
+                                        GATHER_BLOCK, GATHER_RUN, 1)
+        tl.store(count_ptr + i, count)
+
+    device = "cuda" if HAS_CUDA else "cpu"
+    gen = torch.Generator().manual_seed(11)
+    vocab, block, cap = 301, 32, 40
+    row = torch.round(torch.randn(vocab, generator=gen) * 8) / 4  # ties at the floors
+    row[torch.rand(vocab, generator=gen) < 0.05] = float("nan")
+    row[torch.rand(vocab, generator=gen) < 0.05] = NEG_INF
+    for dtype in (torch.float32, torch.bfloat16):
+        x = row.to(dtype)
+        for start, end in ((0, vocab), (32, 290), (96, 100)):
+            span = x[start:end].float()
+            # none, a few (ties included), many (past CAP), every finite one and, at -inf, the -inf entries too
+            floors = torch.tensor([1e30, 2.0, 0.5, -1.0, -1e30, NEG_INF])
+            segments = torch.full((len(floors), cap), 12345.0)
+            counts = torch.full((len(floors),), -1, dtype=torch.int32)
+            args = [t.to(device) for t in (x, floors, segments, counts)]
+            gather_kernel[(len(floors),)](args[0], start, end, args[1], args[2], args[3], CAP=cap,
+                                          GATHER_BLOCK=block, GATHER_RUN=gather_run)
+            for i, floor in enumerate(floors.tolist()):
+                expected = span[span >= floor]  # NaN compares false
+                assert args[3][i].item() == expected.numel(), (dtype, start, end, floor)
+                stored = min(cap, expected.numel())
+                assert torch.equal(args[2][i, :stored].cpu(), expected[:stored]), (dtype, start, end, floor)
+                assert (args[2][i, stored:].cpu() == 12345.0).all(), (dtype, start, end, floor)
+
+
 def test_triton_finish_checks_the_floor():
     """The filter pass's finish accepts the thresholds it finds among the candidates (the logits x >= x_floor) only
     above z_floor = x_floor / t, where the candidates hold every entry (an entry just below x_floor may share the
