@@ -3,9 +3,19 @@ Triton's real compiler (TTIR, TTGIR, LLVM IR, PTX, cubin) without a GPU: catches
 (loop-carried and branch types, constexpr use). Exits 1 if a variant fails. Run from the repository root:
 
     PYTHONPATH=. python scripts/compile_logits_sampling.py
+    PYTHONPATH=. python scripts/compile_logits_sampling.py --gather-loop   # the filter pass's loop, both scans
+
+--gather-loop compiles `_filter_kernel` as bench_logits_sampling.py launches it (V = 32000, draft probabilities),
+for gather_run 8 and 1, disassembles it with the cuobjdump that Triton's package carries, and prints the size of the
+gather's loop (the loop that both loads the row and stores candidates): SASS instructions per 1024-entry block and
+thread, barriers, shuffles. The pass is issue-bound, so this count predicts its time without a GPU.
 """
 import os
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, not the interpreter
 
@@ -28,9 +38,10 @@ POINTERS = {"target_ptr": "*bf16", "draft_logits_ptr": "*bf16", "logits_ptr": "*
             "counters_ptr": "*i64", "probs_ptr": "*fp32", "stop_ptr": "*i32"}
 
 
-def compile_variant(fn, constexprs, name, pointers=None, aligned=()) -> bool:
+def compile_variant(fn, constexprs, name, pointers=None, aligned=(), binaries=None) -> bool:
     """Compiles fn with the given constexprs; pointers and the integer arguments named in `aligned` are marked
-    multiples of 16, as Triton specializes real launches' aligned tensors and sizes."""
+    multiples of 16, as Triton specializes real launches' aligned tensors and sizes. The compiled kernel is appended
+    to `binaries` when given."""
     types = {**POINTERS, **(pointers or {})}
     row_passes = (kernels._stats_kernel, kernels._filter_kernel)
     warps = GEOMETRY["stats_num_warps"] if fn in row_passes else GEOMETRY["num_warps"]
@@ -47,7 +58,45 @@ def compile_variant(fn, constexprs, name, pointers=None, aligned=()) -> bool:
         print(f"{name}: FAILED: {type(error).__name__}: {str(error)[:3000]}")
         return False
     print(f"{name}: ok ({', '.join(binary.asm)})")
+    if binaries is not None:
+        binaries.append(binary)
     return True
+
+
+def gather_loop() -> int:
+    """Prints the SASS size of the filter pass's gather loop for gather_run 8 and 1 (see the module docstring)."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    # The launch's specializations for V = 32000, k = 4, draft probabilities: sizes and row strides divisible by 16.
+    aligned = ("vocab", "chunk_len", "num_chunks", "t_stride_b", "t_stride_i", "d_stride_b", "d_stride_i")
+    for gather_run in (8, 1):
+        constexprs = {"HAS_DRAFT_LOGITS": False, "BLOCK_V": GEOMETRY["stats_block_v"],
+                      "NUM_STAGES": GEOMETRY["num_stages"], "BLOCK_C": 16, "SEARCH_BLOCK": GEOMETRY["search_block"],
+                      "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"], "SMALL_CAP": GEOMETRY["small_cap"],
+                      "GATHER_BLOCK": GEOMETRY["gather_block"], "GATHER_RUN": gather_run}
+        binaries = []
+        if not compile_variant(kernels._filter_kernel, constexprs, f"_filter_kernel(gather_run={gather_run})",
+                               aligned=aligned, binaries=binaries):
+            return 1
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(binaries[0].asm["cubin"])
+            cubin.flush()
+            sass = subprocess.run([str(cuobjdump), "--dump-sass", cubin.name], check=True, capture_output=True,
+                                  text=True).stdout
+        code = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+        address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) for line in code]
+        for end, line in enumerate(code):  # a backward branch closes a loop
+            branch = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", line)
+            if branch and int(branch.group(1), 16) in address[:end]:
+                body = "\n".join(code[address.index(int(branch.group(1), 16)):end + 1])
+                if "LDGSTS" in body and "STG" in body:
+                    print(f"gather_run={gather_run}: {len(body.splitlines())} SASS instructions per "
+                          f"{GEOMETRY['gather_block']}-entry block and thread, {body.count('BAR.SYNC')} barriers, "
+                          f"{body.count('SHFL')} shuffles")
+                    break
+        else:
+            print(f"gather_run={gather_run}: no loop both loads the row and stores candidates")
+            return 1
+    return 0
 
 
 def main() -> int:
@@ -111,4 +160,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(gather_loop() if sys.argv[1:] == ["--gather-loop"] else main())

@@ -65,8 +65,8 @@ LOGITS_SAMPLING = dict(
     # 3.6, sm_90).
     gather_block=1024,
     # The filter pass's scan: 8 = each thread holds runs of 8 consecutive entries (one 16-byte load of bf16) and
-    # scans only the runs' counts across threads (175 SASS instructions per block, sm_90, triton 3.9); 1 = one scan
-    # over the whole block (448).
+    # scans only the runs' counts across threads; 1 = one scan over the whole block. Per block and thread, sm_90:
+    # 171 against 422 SASS instructions with triton 3.6 (`scripts/compile_logits_sampling.py --gather-loop`).
     gather_run=8,
     search_block=256,
     num_probes=16,
