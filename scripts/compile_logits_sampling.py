@@ -8,7 +8,8 @@ Triton's real compiler (TTIR, TTGIR, LLVM IR, PTX, cubin) without a GPU: catches
 --gather-loop compiles `_filter_kernel` as bench_logits_sampling.py launches it (V = 32000, draft probabilities),
 for gather_run 8 and 1, disassembles it with the cuobjdump that Triton's package carries, and prints the size of the
 gather's loop (the loop that both loads the row and stores candidates): SASS instructions per 1024-entry block and
-thread, barriers, shuffles. The pass is issue-bound, so this count predicts its time without a GPU.
+thread, barriers, shuffles: where the pass is bound by instruction issue, the count predicts its time (a
+device call confirms).
 """
 import os
 import re
@@ -82,7 +83,7 @@ def gather_loop() -> int:
             cubin.flush()
             sass = subprocess.run([str(cuobjdump), "--dump-sass", cubin.name], check=True, capture_output=True,
                                   text=True).stdout
-        code = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", line)]
+        code = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
         address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) for line in code]
         for end, line in enumerate(code):  # a backward branch closes a loop
             branch = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", line)
