@@ -1276,4 +1276,10 @@ def test_kernels_compile_for_sm90():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count(": ok (") == 23, result.stdout
+    # Both forms of the filter pass's gather (the default geometry compiles one) compile and disassemble.
+    result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py"), "--gather-loop"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for gather_run in (8, 1):
+        assert f"gather_run={gather_run}: " in result.stdout and "SASS instructions" in result.stdout, result.stdout
 
