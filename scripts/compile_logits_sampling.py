@@ -64,16 +64,20 @@ def compile_variant(fn, constexprs, name, pointers=None, aligned=(), binaries=No
     return True
 
 
+def row_pass_constexprs(gather_run) -> dict:
+    """The constexprs the statistics and filter passes share, as the GPU launches them (16 chunks of a 32000 row)."""
+    return {"BLOCK_V": GEOMETRY["stats_block_v"], "NUM_STAGES": GEOMETRY["num_stages"], "BLOCK_C": 16,
+            "SEARCH_BLOCK": GEOMETRY["search_block"], "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"],
+            "SMALL_CAP": GEOMETRY["small_cap"], "GATHER_BLOCK": GEOMETRY["gather_block"], "GATHER_RUN": gather_run}
+
+
 def gather_loop() -> int:
     """Prints the SASS size of the filter pass's gather loop for gather_run 8 and 1 (see the module docstring)."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     # The launch's specializations for V = 32000, k = 4, draft probabilities: sizes and row strides divisible by 16.
     aligned = ("vocab", "chunk_len", "num_chunks", "t_stride_b", "t_stride_i", "d_stride_b", "d_stride_i")
     for gather_run in (8, 1):
-        constexprs = {"HAS_DRAFT_LOGITS": False, "BLOCK_V": GEOMETRY["stats_block_v"],
-                      "NUM_STAGES": GEOMETRY["num_stages"], "BLOCK_C": 16, "SEARCH_BLOCK": GEOMETRY["search_block"],
-                      "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"], "SMALL_CAP": GEOMETRY["small_cap"],
-                      "GATHER_BLOCK": GEOMETRY["gather_block"], "GATHER_RUN": gather_run}
+        constexprs = {"HAS_DRAFT_LOGITS": False, **row_pass_constexprs(gather_run)}
         binaries = []
         if not compile_variant(kernels._filter_kernel, constexprs, f"_filter_kernel(gather_run={gather_run})",
                                aligned=aligned, binaries=binaries):
@@ -102,10 +106,7 @@ def gather_loop() -> int:
 
 def main() -> int:
     ok = True
-    rows = dict(BLOCK_V=GEOMETRY["stats_block_v"], NUM_STAGES=GEOMETRY["num_stages"], BLOCK_C=16)
-    search = {"SEARCH_BLOCK": GEOMETRY["search_block"], "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"],
-              "SMALL_CAP": GEOMETRY["small_cap"], "GATHER_BLOCK": GEOMETRY["gather_block"],
-              "GATHER_RUN": GEOMETRY["gather_run"]}
+    row_pass = row_pass_constexprs(GEOMETRY["gather_run"])
     # The GPU's chunks are one block each (chunk_is_block); a chunk of several blocks, as tests force, takes the
     # online-sum loop: compiled once, fused.
     # FILTERS=False (top_k and top_p passed as None) compiles the histograms out; fused, min-p alone.
@@ -114,9 +115,9 @@ def main() -> int:
     stats_pointers = {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"}
 
     def stats_constexprs(has_draft_logits, fused, chunk_is_block, filters):
-        return {"HAS_DRAFT_LOGITS": has_draft_logits, **rows, "CHUNK_IS_BLOCK": chunk_is_block,
+        return {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass, "CHUNK_IS_BLOCK": chunk_is_block,
                 "NUM_BINS": GEOMETRY["hist_bins"], "BIN_SCALE": GEOMETRY["bin_scale"],
-                "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters, **search}
+                "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters}
 
     for has_draft_logits, fused, chunk_is_block, filters in stats_variants:
         constexprs = stats_constexprs(has_draft_logits, fused, chunk_is_block, filters)
@@ -124,7 +125,7 @@ def main() -> int:
                               f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused}, "
                               f"chunk_is_block={chunk_is_block}, filters={filters})", stats_pointers)
     for has_draft_logits in (False, True):
-        ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **rows, **search},
+        ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass},
                               f"_filter_kernel(draft_logits={has_draft_logits})")
     # Both row passes as sample_draft_filtered launches them on V = 32000 (one row per request, k = 0, one value of
     # each filter for the batch: stride 0), with the sizes' specializations: a layout-pass failure of triton 3.6 in
@@ -132,7 +133,7 @@ def main() -> int:
     draft_launch = {"rows_per_request": 1, "k": 0, "d_stride_i": 0, "temperature_stride": 1, "top_k_stride": 0,
                     "top_p_stride": 0, "min_p_stride": 0}
     aligned = ("vocab", "chunk_len", "t_stride_b", "d_stride_b")
-    ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": False, **rows, **search, **draft_launch},
+    ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": False, **row_pass, **draft_launch},
                           "_filter_kernel(as sample_draft_filtered launches it)", aligned=aligned)
     ok &= compile_variant(kernels._stats_kernel, {**stats_constexprs(False, False, True, True), **draft_launch},
                           "_stats_kernel(as sample_draft_filtered launches it)", stats_pointers, aligned=aligned)

@@ -509,7 +509,6 @@ def test_triton_outlier_maximum_keeps_a_tight_candidate_bound(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("gather_run", [8, 1])
 def test_triton_gather_stores_candidates_in_order(gather_run):
     """The filter pass's gather (`_gather_span_tl`, both scan forms): the logits x >= x_floor of [start, end), in
@@ -551,6 +550,7 @@ def test_triton_gather_stores_candidates_in_order(gather_run):
                 assert (args[2][i, stored:].cpu() == 12345.0).all(), (dtype, start, end, floor)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_finish_checks_the_floor():
     """The filter pass's finish accepts the thresholds it finds among the candidates (the logits x >= x_floor) only
     above z_floor = x_floor / t, where the candidates hold every entry (an entry just below x_floor may share the
