@@ -1147,7 +1147,11 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     params = (temperature, top_k, top_p, min_p)
     param_strides = (temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0))
     # The interpreter's cap is small (_gather_cap); a quarter of it keeps both sorts in the CPU tests.
-    gather_block = min(geometry["gather_block"], block_v)
+    # On CUDA the gather's block does not shrink with a narrow row: its scan then always has a run of entries per
+    # thread, the shape the benchmarks time (a block narrower than the threads' runs would leave the scan's tensor
+    # smaller than the thread count, copied over threads). The interpreter keeps the row's block, so that the CPU
+    # tests' short rows take several gather steps.
+    gather_block = geometry["gather_block"] if device.type == "cuda" else min(geometry["gather_block"], block_v)
     search = dict(SEARCH_BLOCK=min(geometry["search_block"], block_v), NUM_PROBES=geometry["num_probes"], CAP=cap,
                   SMALL_CAP=max(1, min(cap, geometry["small_cap"] if device.type == "cuda" else cap // 4)),
                   GATHER_BLOCK=gather_block, GATHER_RUN=8 if geometry["gather_run"] == 8 and gather_block >= 8 else 1)
