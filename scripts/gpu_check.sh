@@ -30,10 +30,12 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >"$out/build.log" 
 
 summary=()
 if [[ $stage == tests || $stage == all ]]; then
-  # -p no:cacheprovider: the tree may be read-only for caches; xdist spreads the CPU-heavy tests.
-  python3 -m pytest -q -p no:cacheprovider -n 8 -rfE tests >"$out/tests.log" 2>&1
+  # -p no:cacheprovider: the tree may be read-only for caches; xdist spreads the CPU-heavy tests. -v logs each
+  # result with its name as it comes, so a run that a time limit cuts short still names its failures.
+  python3 -m pytest -v -p no:cacheprovider -n 8 --tb=line -rfE tests >"$out/tests.log" 2>&1
   rc=$?
-  tail -25 "$out/tests.log"
+  grep -E "^\[gw[0-9]+\] .* (FAILED|ERROR) " "$out/tests.log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | head -40
+  tail -5 "$out/tests.log"
   summary+=("tests (all, CUDA included): rc=$rc, $(tail -1 "$out/tests.log")")
 fi
 if [[ $stage == bench || $stage == all ]]; then
