@@ -4,12 +4,18 @@ Triton's real compiler (TTIR, TTGIR, LLVM IR, PTX, cubin) without a GPU: catches
 
     PYTHONPATH=. python scripts/compile_logits_sampling.py
     PYTHONPATH=. python scripts/compile_logits_sampling.py --gather-loop   # the filter pass's loop, both scans
+    PYTHONPATH=. python scripts/compile_logits_sampling.py --registers     # the row passes under register limits
 
 --gather-loop compiles `_filter_kernel` as bench_logits_sampling.py launches it (V = 32000, draft probabilities),
 for gather_run 8 and 1, disassembles it with the cuobjdump that Triton's package carries, and prints the size of the
 gather's loop (the loop that both loads the row and stores candidates): SASS instructions per 1024-entry block and
 thread, barriers, shuffles: where the pass is bound by instruction issue, the count predicts its time (a
 device call confirms).
+
+--registers compiles the statistics and filter passes as the benchmark launches them under register limits (ptx
+.maxnreg: none, 80, 64) and prints per pass the registers per thread, the programs of its warps that fit an SM's
+65536 registers, its local-memory instructions (spills, and arrays the compiler keeps in local memory), and those
+inside the loops that read the row.
 """
 import os
 import re
@@ -39,13 +45,15 @@ POINTERS = {"target_ptr": "*bf16", "draft_logits_ptr": "*bf16", "logits_ptr": "*
             "counters_ptr": "*i64", "probs_ptr": "*fp32", "stop_ptr": "*i32"}
 
 
-def compile_variant(fn, constexprs, name, pointers=None, aligned=(), binaries=None) -> bool:
+def compile_variant(fn, constexprs, name, pointers=None, aligned=(), binaries=None, maxnreg=None) -> bool:
     """Compiles fn with the given constexprs; pointers and the integer arguments named in `aligned` are marked
     multiples of 16, as Triton specializes real launches' aligned tensors and sizes. The compiled kernel is appended
-    to `binaries` when given."""
+    to `binaries` when given. The row passes take the geometry's register limit unless `maxnreg` is given (0: none)."""
     types = {**POINTERS, **(pointers or {})}
     row_passes = (kernels._stats_kernel, kernels._filter_kernel)
     warps = GEOMETRY["stats_num_warps"] if fn in row_passes else GEOMETRY["num_warps"]
+    if maxnreg is None and fn in row_passes:
+        maxnreg = GEOMETRY["stats_maxnreg" if fn is kernels._stats_kernel else "filter_maxnreg"]
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
     if fn in (kernels._filter_kernel, kernels._block_residual_kernel):
         signature["partial_ptr"] = "*fp32"  # the kept masses of min-p rows; the residual masses
@@ -54,7 +62,8 @@ def compile_variant(fn, constexprs, name, pointers=None, aligned=(), binaries=No
                  if signature[arg].startswith("*") or arg in aligned}
         binary = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                                 target=TARGET,
-                                options={"num_warps": warps, "num_stages": GEOMETRY["num_stages"]})
+                                options={"num_warps": warps, "num_stages": GEOMETRY["num_stages"],
+                                         "maxnreg": maxnreg or None})
     except Exception as error:  # report every variant, then fail
         print(f"{name}: FAILED: {type(error).__name__}: {str(error)[:3000]}")
         return False
@@ -71,36 +80,78 @@ def row_pass_constexprs(gather_run) -> dict:
             "SMALL_CAP": GEOMETRY["small_cap"], "GATHER_BLOCK": GEOMETRY["gather_block"], "GATHER_RUN": gather_run}
 
 
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+# The launch's specializations for V = 32000, k = 4, draft probabilities: sizes and row strides divisible by 16.
+ALIGNED = ("vocab", "chunk_len", "num_chunks", "t_stride_b", "t_stride_i", "d_stride_b", "d_stride_i")
+
+
+def cuobjdump(binary, flag) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(binary.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([str(CUOBJDUMP), flag, cubin.name], check=True, capture_output=True, text=True).stdout
+
+
+def sass_loops(binary) -> tuple[list[str], list[list[str]]]:
+    """The kernel's SASS instructions, and the body of each loop (closed by a backward branch)."""
+    code = [line for line in cuobjdump(binary, "--dump-sass").splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+    address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) for line in code]
+    loops = []
+    for end, line in enumerate(code):
+        branch = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", line)
+        if branch and int(branch.group(1), 16) in address[:end]:
+            loops.append(code[address.index(int(branch.group(1), 16)):end + 1])
+    return code, loops
+
+
 def gather_loop() -> int:
     """Prints the SASS size of the filter pass's gather loop for gather_run 8 and 1 (see the module docstring)."""
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    # The launch's specializations for V = 32000, k = 4, draft probabilities: sizes and row strides divisible by 16.
-    aligned = ("vocab", "chunk_len", "num_chunks", "t_stride_b", "t_stride_i", "d_stride_b", "d_stride_i")
     for gather_run in (8, 1):
         constexprs = {"HAS_DRAFT_LOGITS": False, **row_pass_constexprs(gather_run)}
         binaries = []
         if not compile_variant(kernels._filter_kernel, constexprs, f"_filter_kernel(gather_run={gather_run})",
-                               aligned=aligned, binaries=binaries):
+                               aligned=ALIGNED, binaries=binaries):
             return 1
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(binaries[0].asm["cubin"])
-            cubin.flush()
-            sass = subprocess.run([str(cuobjdump), "--dump-sass", cubin.name], check=True, capture_output=True,
-                                  text=True).stdout
-        code = [line for line in sass.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
-        address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) for line in code]
-        for end, line in enumerate(code):  # a backward branch closes a loop
-            branch = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", line)
-            if branch and int(branch.group(1), 16) in address[:end]:
-                body = "\n".join(code[address.index(int(branch.group(1), 16)):end + 1])
-                if "LDGSTS" in body and "STG" in body:
-                    print(f"gather_run={gather_run}: {len(body.splitlines())} SASS instructions per "
-                          f"{GEOMETRY['gather_block']}-entry block and thread, {body.count('BAR.SYNC')} barriers, "
-                          f"{body.count('SHFL')} shuffles")
-                    break
+        for loop in sass_loops(binaries[0])[1]:  # the loop that both loads the row and stores candidates
+            body = "\n".join(loop)
+            if "LDGSTS" in body and "STG" in body:
+                print(f"gather_run={gather_run}: {len(loop)} SASS instructions per "
+                      f"{GEOMETRY['gather_block']}-entry block and thread, {body.count('BAR.SYNC')} barriers, "
+                      f"{body.count('SHFL')} shuffles")
+                break
         else:
             print(f"gather_run={gather_run}: no loop both loads the row and stores candidates")
             return 1
+    return 0
+
+
+def registers() -> int:
+    """Prints the row passes' registers and local-memory use under register limits (see the module docstring)."""
+    row_pass = row_pass_constexprs(GEOMETRY["gather_run"])
+    stats = {"HAS_DRAFT_LOGITS": False, **row_pass, "CHUNK_IS_BLOCK": True, "NUM_BINS": GEOMETRY["hist_bins"],
+             "BIN_SCALE": GEOMETRY["bin_scale"], "HIST_GROUP": GEOMETRY["hist_group"], "FILTERS": True}
+    passes = [(kernels._stats_kernel, {**stats, "FUSED_FILTER": False}, "statistics pass",
+               {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"}),
+              (kernels._stats_kernel, {**stats, "FUSED_FILTER": True}, "statistics pass, filter fused",
+               {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"}),
+              (kernels._filter_kernel, {"HAS_DRAFT_LOGITS": False, **row_pass}, "filter pass", None)]
+    threads = 32 * GEOMETRY["stats_num_warps"]
+    for fn, constexprs, name, pointers in passes:
+        for maxnreg in (0, 80, 64):
+            binaries = []
+            if not compile_variant(fn, constexprs, f"{name}, maxnreg {maxnreg or 'none'}", pointers, ALIGNED,
+                                   binaries, maxnreg=maxnreg):
+                return 1
+            regs = int(re.search(r"REG:(\d+)", cuobjdump(binaries[0], "--dump-resource-usage")).group(1))
+            code, loops = sass_loops(binaries[0])
+            local = sum(1 for line in code if re.search(r"\b(LDL|STL)\b", line))
+            row_loops = [loop for loop in loops if any("LDGSTS" in line for line in loop)]
+            in_loops = sum(1 for loop in row_loops for line in loop if re.search(r"\b(LDL|STL)\b", line))
+            # Registers are allocated per warp in units of 256 (8 per thread).
+            per_program = -(-regs // 8) * 8 * threads
+            print(f"  {regs} registers per thread ({65536 // per_program} programs per SM by registers), "
+                  f"{local} local loads and stores, {in_loops} in the {len(row_loops)} loops over the row "
+                  f"({', '.join(str(len(loop)) for loop in row_loops)} instructions)")
     return 0
 
 
@@ -162,4 +213,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(gather_loop() if sys.argv[1:] == ["--gather-loop"] else main())
+    modes = {"--gather-loop": gather_loop, "--registers": registers}
+    sys.exit(modes[sys.argv[1]]() if sys.argv[1:2] and sys.argv[1] in modes else main())

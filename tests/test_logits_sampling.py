@@ -1282,4 +1282,11 @@ def test_kernels_compile_for_sm90():
     assert result.returncode == 0, result.stdout + result.stderr
     for gather_run in (8, 1):
         assert f"gather_run={gather_run}: " in result.stdout and "SASS instructions" in result.stdout, result.stdout
+    # The row passes compile under the register limits the geometry offers, and the compiler holds to them.
+    result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py"), "--registers"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    registers = [int(line.split()[0]) for line in result.stdout.splitlines() if "registers per thread" in line]
+    assert len(registers) == 9, result.stdout
+    assert max(registers[1::3]) <= 80 and max(registers[2::3]) <= 64, result.stdout
 

@@ -69,6 +69,13 @@ LOGITS_SAMPLING = dict(
     # 171 against 422 SASS instructions with triton 3.6 (`scripts/compile_logits_sampling.py --gather-loop`); on an
     # H100, top-k + top-p, bf16, V = 32000, draft probabilities: 44.1 against 57.7 us at B = 64 (RESULTS.md).
     gather_run=8,
+    # Register limits (ptx .maxnreg) of the statistics pass and of the filter pass (the statistics pass too where it
+    # runs the filter fused); 0: the compiler's choice. On sm_90 triton 3.6 (the device image's) gives them 95 and 96
+    # registers per thread (112 fused), which lets 5 programs of 4 warps share an SM; at 64, 8 fit, the statistics
+    # pass keeps everything in registers and the filter pass spills only outside its loops over the row. Triton 3.9
+    # chooses 72 and 64 itself (`scripts/compile_logits_sampling.py --registers`). Not yet timed on a GPU.
+    stats_maxnreg=0,
+    filter_maxnreg=0,
     search_block=256,
     num_probes=16,
     fused_filter=2,  # each row's last statistics program runs the filter pass: 0 never, 1 always, 2 when it is the

@@ -1164,12 +1164,13 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
         NUM_STAGES=geometry["num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
         HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
         **search, num_warps=geometry["stats_num_warps"],
+        maxnreg=geometry["filter_maxnreg" if fused_filter else "stats_maxnreg"] or None,  # fused: the filter's code
     )
     if filter_pass and not fused_filter:
         _filter_kernel[grid](
             target, draft, *params, stats, candidates, counts, kept_mass, workspace, *common,
             HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"], BLOCK_C=block_c,
-            **search, num_warps=geometry["stats_num_warps"],
+            **search, num_warps=geometry["stats_num_warps"], maxnreg=geometry["filter_maxnreg"] or None,
         )
     return stats
 
