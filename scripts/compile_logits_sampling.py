@@ -52,8 +52,9 @@ def compile_variant(fn, constexprs, name, pointers=None, aligned=(), binaries=No
     types = {**POINTERS, **(pointers or {})}
     row_passes = (kernels._stats_kernel, kernels._filter_kernel)
     warps = GEOMETRY["stats_num_warps"] if fn in row_passes else GEOMETRY["num_warps"]
-    if maxnreg is None and fn in row_passes:
-        maxnreg = GEOMETRY["stats_maxnreg" if fn is kernels._stats_kernel else "filter_maxnreg"]
+    if maxnreg is None and fn in row_passes:  # as _row_statistics launches them: a fused filter takes the filter's
+        fused = fn is kernels._stats_kernel and constexprs.get("FUSED_FILTER")
+        maxnreg = GEOMETRY["stats_maxnreg" if fn is kernels._stats_kernel and not fused else "filter_maxnreg"]
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
     if fn in (kernels._filter_kernel, kernels._block_residual_kernel):
         signature["partial_ptr"] = "*fp32"  # the kept masses of min-p rows; the residual masses
@@ -93,15 +94,17 @@ def cuobjdump(binary, flag) -> str:
 
 
 def sass_loops(binary) -> tuple[list[str], list[list[str]]]:
-    """The kernel's SASS instructions, and the body of each loop (closed by a backward branch)."""
+    """The kernel's SASS instructions, and the body of each innermost loop: a span closed by a predicated backward
+    branch (an unpredicated one can jump back to a shared exit, which closes no loop) holding no other such span."""
     code = [line for line in cuobjdump(binary, "--dump-sass").splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
     address = [int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) for line in code]
-    loops = []
+    spans = []
     for end, line in enumerate(code):
-        branch = re.search(r"BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", line)
+        branch = re.search(r"@!?U?P\w+\s+BRA\s+(?:\S+\s+)?0x([0-9a-f]+)", line)
         if branch and int(branch.group(1), 16) in address[:end]:
-            loops.append(code[address.index(int(branch.group(1), 16)):end + 1])
-    return code, loops
+            spans.append((address.index(int(branch.group(1), 16)), end))
+    innermost = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    return code, [code[a:b + 1] for a, b in innermost]
 
 
 def gather_loop() -> int:
@@ -214,4 +217,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     modes = {"--gather-loop": gather_loop, "--registers": registers}
-    sys.exit(modes[sys.argv[1]]() if sys.argv[1:2] and sys.argv[1] in modes else main())
+    if sys.argv[1:] and (len(sys.argv) > 2 or sys.argv[1] not in modes):
+        sys.exit(f"usage: compile_logits_sampling.py [{' | '.join(modes)}]")
+    sys.exit(modes[sys.argv[1]]() if sys.argv[1:] else main())

@@ -1097,6 +1097,12 @@ def _statistics_grid(rows, num_chunks, device, chunks_per_program=None):
     return chunks_per_program, triton.cdiv(num_chunks, chunks_per_program)
 
 
+def _register_limit(maxnreg: int) -> dict:
+    """The launch option of a register limit from the geometry (0: none). Passed only when set: a backend without
+    the option (ROCm's) rejects the keyword even as None."""
+    return {"maxnreg": maxnreg} if maxnreg else {}
+
+
 def _given_or_off(top_k, top_p, min_p, batch, device):
     """The filter tensors, one passed as None (off for the whole batch) replaced by its off value read with
     stride 0 (a persistent tensor: no launch)."""
@@ -1146,12 +1152,12 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     top_k, top_p, min_p = _given_or_off(top_k, top_p, min_p, batch, device)
     params = (temperature, top_k, top_p, min_p)
     param_strides = (temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0))
-    # The interpreter's cap is small (_gather_cap); a quarter of it keeps both sorts in the CPU tests.
-    # On CUDA the gather's block does not shrink with a narrow row: its scan then always has a run of entries per
-    # thread, the shape the benchmarks time (a block narrower than the threads' runs would leave the scan's tensor
-    # smaller than the thread count, copied over threads). The interpreter keeps the row's block, so that the CPU
-    # tests' short rows take several gather steps.
+    # On CUDA the gather's block does not shrink with a narrow row: its scan keeps the shape the benchmarks time (one
+    # run of 8 entries per thread with the default geometry's 4 warps), where a narrow row's block would leave the
+    # scan's tensor smaller than the thread count, copied over threads. The interpreter keeps the row's block, so
+    # that the CPU tests' short rows take several gather steps.
     gather_block = geometry["gather_block"] if device.type == "cuda" else min(geometry["gather_block"], block_v)
+    # The interpreter's cap is small (_gather_cap); a quarter of it keeps both sorts in the CPU tests.
     search = dict(SEARCH_BLOCK=min(geometry["search_block"], block_v), NUM_PROBES=geometry["num_probes"], CAP=cap,
                   SMALL_CAP=max(1, min(cap, geometry["small_cap"] if device.type == "cuda" else cap // 4)),
                   GATHER_BLOCK=gather_block, GATHER_RUN=8 if geometry["gather_run"] == 8 and gather_block >= 8 else 1)
@@ -1164,13 +1170,13 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
         NUM_STAGES=geometry["num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
         HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
         **search, num_warps=geometry["stats_num_warps"],
-        maxnreg=geometry["filter_maxnreg" if fused_filter else "stats_maxnreg"] or None,  # fused: the filter's code
+        **_register_limit(geometry["filter_maxnreg" if fused_filter else "stats_maxnreg"]),  # fused: the filter's code
     )
     if filter_pass and not fused_filter:
         _filter_kernel[grid](
             target, draft, *params, stats, candidates, counts, kept_mass, workspace, *common,
             HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"], BLOCK_C=block_c,
-            **search, num_warps=geometry["stats_num_warps"], maxnreg=geometry["filter_maxnreg"] or None,
+            **search, num_warps=geometry["stats_num_warps"], **_register_limit(geometry["filter_maxnreg"]),
         )
     return stats
 
