@@ -81,6 +81,17 @@ def row_pass_constexprs(gather_run) -> dict:
             "SMALL_CAP": GEOMETRY["small_cap"], "GATHER_BLOCK": GEOMETRY["gather_block"], "GATHER_RUN": gather_run}
 
 
+# The statistics pass's pointers beyond POINTERS.
+STATS_POINTERS = {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"}
+
+
+def stats_pass_constexprs(has_draft_logits, fused, chunk_is_block, filters) -> dict:
+    """The statistics pass's constexprs, as the GPU launches it (row_pass_constexprs with the default gather)."""
+    return {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass_constexprs(GEOMETRY["gather_run"]),
+            "CHUNK_IS_BLOCK": chunk_is_block, "NUM_BINS": GEOMETRY["hist_bins"], "BIN_SCALE": GEOMETRY["bin_scale"],
+            "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters}
+
+
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 # The launch's specializations for V = 32000, k = 4, draft probabilities: sizes and row strides divisible by 16.
 ALIGNED = ("vocab", "chunk_len", "num_chunks", "t_stride_b", "t_stride_i", "d_stride_b", "d_stride_i")
@@ -130,14 +141,12 @@ def gather_loop() -> int:
 
 def registers() -> int:
     """Prints the row passes' registers and local-memory use under register limits (see the module docstring)."""
-    row_pass = row_pass_constexprs(GEOMETRY["gather_run"])
-    stats = {"HAS_DRAFT_LOGITS": False, **row_pass, "CHUNK_IS_BLOCK": True, "NUM_BINS": GEOMETRY["hist_bins"],
-             "BIN_SCALE": GEOMETRY["bin_scale"], "HIST_GROUP": GEOMETRY["hist_group"], "FILTERS": True}
-    passes = [(kernels._stats_kernel, {**stats, "FUSED_FILTER": False}, "statistics pass",
-               {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"}),
-              (kernels._stats_kernel, {**stats, "FUSED_FILTER": True}, "statistics pass, filter fused",
-               {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"}),
-              (kernels._filter_kernel, {"HAS_DRAFT_LOGITS": False, **row_pass}, "filter pass", None)]
+    passes = [(kernels._stats_kernel, stats_pass_constexprs(False, False, True, True), "statistics pass",
+               STATS_POINTERS),
+              (kernels._stats_kernel, stats_pass_constexprs(False, True, True, True), "statistics pass, filter fused",
+               STATS_POINTERS),
+              (kernels._filter_kernel, {"HAS_DRAFT_LOGITS": False, **row_pass_constexprs(GEOMETRY["gather_run"])},
+               "filter pass", None)]
     threads = 32 * GEOMETRY["stats_num_warps"]
     for fn, constexprs, name, pointers in passes:
         for maxnreg in (0, 80, 64):
@@ -166,18 +175,11 @@ def main() -> int:
     # FILTERS=False (top_k and top_p passed as None) compiles the histograms out; fused, min-p alone.
     stats_variants = [(logits, fused, True, True) for logits in (False, True) for fused in (False, True)]
     stats_variants += [(True, True, False, True), (False, False, True, False), (True, True, True, False)]
-    stats_pointers = {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"}
-
-    def stats_constexprs(has_draft_logits, fused, chunk_is_block, filters):
-        return {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass, "CHUNK_IS_BLOCK": chunk_is_block,
-                "NUM_BINS": GEOMETRY["hist_bins"], "BIN_SCALE": GEOMETRY["bin_scale"],
-                "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters}
-
     for has_draft_logits, fused, chunk_is_block, filters in stats_variants:
-        constexprs = stats_constexprs(has_draft_logits, fused, chunk_is_block, filters)
+        constexprs = stats_pass_constexprs(has_draft_logits, fused, chunk_is_block, filters)
         ok &= compile_variant(kernels._stats_kernel, constexprs,
                               f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused}, "
-                              f"chunk_is_block={chunk_is_block}, filters={filters})", stats_pointers)
+                              f"chunk_is_block={chunk_is_block}, filters={filters})", STATS_POINTERS)
     for has_draft_logits in (False, True):
         ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass},
                               f"_filter_kernel(draft_logits={has_draft_logits})")
@@ -189,8 +191,8 @@ def main() -> int:
     aligned = ("vocab", "chunk_len", "t_stride_b", "d_stride_b")
     ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": False, **row_pass, **draft_launch},
                           "_filter_kernel(as sample_draft_filtered launches it)", aligned=aligned)
-    ok &= compile_variant(kernels._stats_kernel, {**stats_constexprs(False, False, True, True), **draft_launch},
-                          "_stats_kernel(as sample_draft_filtered launches it)", stats_pointers, aligned=aligned)
+    ok &= compile_variant(kernels._stats_kernel, {**stats_pass_constexprs(False, False, True, True), **draft_launch},
+                          "_stats_kernel(as sample_draft_filtered launches it)", STATS_POINTERS, aligned=aligned)
     for probs, logits in ((True, False), (False, True), (False, False)):
         flags = {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits, "WITH_LOGPROBS": True, "COUNT": True,
                  "BLOCK_K": 8, "BLOCK_V": GEOMETRY["block_v"], "FAST_LOG": True}
