@@ -76,7 +76,7 @@ def compile_variant(fn, constexprs, name, pointers=None, aligned=(), binaries=No
 
 def row_pass_constexprs(gather_run) -> dict:
     """The constexprs the statistics and filter passes share, as the GPU launches them (16 chunks of a 32000 row)."""
-    return {"BLOCK_V": GEOMETRY["stats_block_v"], "NUM_STAGES": GEOMETRY["num_stages"], "BLOCK_C": 16,
+    return {"BLOCK_V": GEOMETRY["stats_block_v"], "NUM_STAGES": GEOMETRY["stats_num_stages"], "BLOCK_C": 16,
             "SEARCH_BLOCK": GEOMETRY["search_block"], "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"],
             "SMALL_CAP": GEOMETRY["small_cap"], "GATHER_BLOCK": GEOMETRY["gather_block"], "GATHER_RUN": gather_run}
 
@@ -128,7 +128,7 @@ def gather_loop() -> int:
             return 1
         for loop in sass_loops(binaries[0])[1]:  # the loop that both loads the row and stores candidates
             body = "\n".join(loop)
-            if "LDGSTS" in body and "STG" in body:
+            if "LDG" in body and "STG" in body:  # LDGSTS when pipelined, else LDG
                 print(f"gather_run={gather_run}: {len(loop)} SASS instructions per "
                       f"{GEOMETRY['gather_block']}-entry block and thread, {body.count('BAR.SYNC')} barriers, "
                       f"{body.count('SHFL')} shuffles")
@@ -157,7 +157,7 @@ def registers() -> int:
             regs = int(re.search(r"REG:(\d+)", cuobjdump(binaries[0], "--dump-resource-usage")).group(1))
             code, loops = sass_loops(binaries[0])
             local = sum(1 for line in code if re.search(r"\b(LDL|STL)\b", line))
-            row_loops = [loop for loop in loops if any("LDGSTS" in line for line in loop)]
+            row_loops = [loop for loop in loops if any("LDG" in line for line in loop)]
             in_loops = sum(1 for loop in row_loops for line in loop if re.search(r"\b(LDL|STL)\b", line))
             # Registers are allocated per warp in units of 256 (8 per thread).
             per_program = -(-regs // 8) * 8 * threads

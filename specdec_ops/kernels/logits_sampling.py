@@ -295,7 +295,9 @@ def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered, is_
     top = tl.max(x, axis=0)
     if is_random:
         argmax = tl.zeros([], tl.int32)
-        total = tl.sum(tl.where(x > float("-inf"), tl.exp2((x - top) * scale), 0.0), axis=0)
+        # -inf entries (padding included) give exp2(-inf) = 0 against a finite top; an all -inf chunk subtracts 0
+        # instead, which keeps -inf - -inf (NaN) out without a select per entry. A NaN logit makes the sum NaN.
+        total = tl.sum(tl.exp2((x - tl.where(top > float("-inf"), top, 0.0)) * scale), axis=0)
     else:
         argmax = tl.min(tl.where(in_chunk & (x == top), v, vocab), axis=0)  # the lowest index on ties
         total = tl.full([], 1.0, tl.float32)
@@ -1167,7 +1169,7 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
         target, draft, *params, stats, partial, hist, workspace[rows:], candidates, counts, kept_mass, workspace,
         *common,
         HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v, BLOCK_V=block_v,
-        NUM_STAGES=geometry["num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
+        NUM_STAGES=geometry["stats_num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
         HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
         **search, num_warps=geometry["stats_num_warps"],
         **_register_limit(geometry["filter_maxnreg" if fused_filter else "stats_maxnreg"]),  # fused: the filter's code
@@ -1175,7 +1177,7 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     if filter_pass and not fused_filter:
         _filter_kernel[grid](
             target, draft, *params, stats, candidates, counts, kept_mass, workspace, *common,
-            HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"], BLOCK_C=block_c,
+            HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["stats_num_stages"], BLOCK_C=block_c,
             **search, num_warps=geometry["stats_num_warps"], **_register_limit(geometry["filter_maxnreg"]),
         )
     return stats
