@@ -55,6 +55,9 @@ LOGITS_SAMPLING = dict(
     stats_block_v=2048,  # = stats_chunk: a chunk is one load, and the loop over a program's chunks is pipelined
     stats_num_warps=4,
     stats_num_stages=3,  # the statistics and filter passes' software pipelining (loads in flight through shared memory)
+    # One-block chunks read this many at a time (1, 2, 4): the block-wide reductions of the step's chunks share their
+    # barriers. Each chunk's statistics stay its own.
+    stats_step_chunks=1,
     stats_programs_per_sm=8,  # 4 or 2: slower at B = 64 (one program per row); 16: within 1 us either way
     interpreter_stats_chunk=64,  # TRITON_INTERPRET: short, so that CPU tests with small blocks split their rows
     hist_bins=64,
