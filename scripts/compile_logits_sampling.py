@@ -89,8 +89,7 @@ def stats_pass_constexprs(has_draft_logits, fused, chunk_is_block, filters) -> d
     """The statistics pass's constexprs, as the GPU launches it (row_pass_constexprs with the default gather)."""
     return {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass_constexprs(GEOMETRY["gather_run"]),
             "CHUNK_IS_BLOCK": chunk_is_block, "NUM_BINS": GEOMETRY["hist_bins"], "BIN_SCALE": GEOMETRY["bin_scale"],
-            "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters,
-            "STEP_CHUNKS": GEOMETRY["stats_step_chunks"]}
+            "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters}
 
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"

@@ -661,15 +661,13 @@ def test_triton_row_sums_do_not_depend_on_the_batch():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("num_chunks", [5, 10], ids=["two_block_chunks", "one_block_chunks"])
-def test_triton_chunks_per_program_do_not_change_results(num_chunks, monkeypatch):
+def test_triton_chunks_per_program_do_not_change_results(num_chunks):
     """The statistics and filter passes give a program several consecutive chunks, as many as the batch size calls
     for: each chunk's partial is still its own and the row's last program combines them in chunk order, so logprobs
     (S) and tokens are bit for bit the same for 1, 2, 3 or all chunks per program, with the filter pass fused or not
     (filtered, min-p, plain and greedy rows), token-wise and block verification. V = 150 in blocks of 16: 5 chunks
     of two blocks (the online-sum loop), or 10 chunks of one block, the last one short (CHUNK_IS_BLOCK, the GPU's
-    path, whose statistics compute the sum for random rows only and the argmax for greedy rows only), read one
-    chunk at a time or in steps of 2 and 4 (stats_step_chunks; 3 chunks per program leave a step's last chunks
-    to the next program)."""
+    path, whose statistics compute the sum for random rows only and the argmax for greedy rows only)."""
     gen = torch.Generator().manual_seed(77)
     args = list(make_case(78, 4, 2, 150, draft="logits"))
     args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
@@ -685,13 +683,11 @@ def test_triton_chunks_per_program_do_not_change_results(num_chunks, monkeypatch
                                              fused_filter=False, **launch)
         assert torch.equal(one_chunk, expected)
         torch.testing.assert_close(one_chunk_lp, expected_lp, **LOGPROB_TOL)
-        for step_chunks in (1, 2, 4) if num_chunks == 10 else (1,):
-            monkeypatch.setitem(kernels.LOGITS_SAMPLING, "stats_step_chunks", step_chunks)
-            for chunks_per_program, fused in ((2, False), (num_chunks, True), (3, True)):
-                out, lp = run_triton(tuple(args), block, logprobs=True, chunks_per_program=chunks_per_program,
-                                     fused_filter=fused, **launch)
-                assert torch.equal(out, one_chunk), step_chunks
-                assert torch.equal(lp, one_chunk_lp), step_chunks
+        for chunks_per_program, fused in ((2, False), (num_chunks, True), (3, True)):
+            out, lp = run_triton(tuple(args), block, logprobs=True, chunks_per_program=chunks_per_program,
+                                 fused_filter=fused, **launch)
+            assert torch.equal(out, one_chunk)
+            assert torch.equal(lp, one_chunk_lp)
     if not HAS_CUDA:
         assert scratch_is_zeroed()
 

@@ -308,60 +308,12 @@ def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered, is_
 
 
 @triton.jit
-def _chunk_step_stats_tl(row_ptr, g, c, c_last, num_chunks, chunk_len, vocab, t, partial_ptr, hist_ptr, filtered,
-                         is_random, STEP_CHUNKS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_BINS: tl.constexpr,
-                         BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr):
-    """`_chunk_stats_block_tl` of STEP_CHUNKS consecutive one-block chunks c .. (those before c_last) at once, stored
-    as `_span_stats_tl` stores them: each chunk's reductions run along its own row of a [STEP_CHUNKS, BLOCK_V] tile,
-    so a chunk's statistics are those of the chunk alone while the block-wide reductions' barriers are shared by the
-    step's chunks."""
-    scale = 1.4426950408889634 / t  # exp(d / t) = exp2(d * scale)
-    chunk = c + tl.arange(0, STEP_CHUNKS)
-    in_span = chunk < c_last
-    end = tl.minimum(chunk * chunk_len + chunk_len, vocab)
-    v = chunk[:, None] * chunk_len + tl.arange(0, BLOCK_V)[None, :]
-    in_chunk = in_span[:, None] & (v < end[:, None])
-    x = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf")).to(tl.float32)
-    top = tl.max(x, axis=1)
-    if is_random:
-        argmax = tl.zeros([STEP_CHUNKS], tl.int32)
-        # As `_chunk_stats_block_tl`: an all -inf chunk subtracts 0.
-        total = tl.sum(tl.exp2((x - tl.where(top > float("-inf"), top, 0.0)[:, None]) * scale), axis=1)
-    else:
-        argmax = tl.min(tl.where(in_chunk & (x == top[:, None]), v, vocab), axis=1)  # the lowest index on ties
-        total = tl.full([STEP_CHUNKS], 1.0, tl.float32)
-    top_bin = tl.floor(top * BIN_SCALE)
-    slot = g * num_chunks + chunk
-    if filtered:
-        # One histogram of STEP_CHUNKS * NUM_BINS bins, chunk i's in bins i * NUM_BINS ..: the chunks' slots of hist
-        # are consecutive, so it stores as it is.
-        groups = tl.max(tl.reshape(x, [STEP_CHUNKS, BLOCK_V // HIST_GROUP, HIST_GROUP]), axis=2)
-        depth = top_bin[:, None] - tl.floor(groups * BIN_SCALE)
-        inside = (depth >= 0) & (depth < NUM_BINS - 1)  # NaN and -inf: outside
-        bins = tl.where(inside, depth, NUM_BINS - 1).to(tl.int32) + tl.arange(0, STEP_CHUNKS)[:, None] * NUM_BINS
-        each = tl.arange(0, STEP_CHUNKS * NUM_BINS)
-        tl.store(hist_ptr + (g * num_chunks + c) * NUM_BINS + each,
-                 tl.histogram(tl.reshape(bins, [STEP_CHUNKS * (BLOCK_V // HIST_GROUP)]), STEP_CHUNKS * NUM_BINS),
-                 mask=c + each // NUM_BINS < c_last)
-    which = tl.arange(0, 4)[None, :]
-    partial = tl.where(which == 0, top.to(tl.int32, bitcast=True)[:, None],
-                       tl.where(which == 1, total.to(tl.int32, bitcast=True)[:, None],
-                                tl.where(which == 2, argmax[:, None], top_bin.to(tl.int32, bitcast=True)[:, None])))
-    tl.store(partial_ptr + slot[:, None] * 4 + which, partial, mask=in_span[:, None])
-
-
-@triton.jit
 def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t, partial_ptr, hist_ptr, filtered,
                    is_random, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr,
-                   STEP_CHUNKS: tl.constexpr):
+                   NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr):
     """Chunks c_first .. c_last - 1 of row g: each chunk's statistics into partial [g, c, 4] (and its histogram
     into hist [g, c, NUM_BINS]), computed from that chunk alone, so the same whichever program computes it."""
-    if CHUNK_IS_BLOCK and STEP_CHUNKS > 1:
-        for c in tl.range(c_first, c_last, STEP_CHUNKS, num_stages=NUM_STAGES):
-            _chunk_step_stats_tl(row_ptr, g, c, c_last, num_chunks, chunk_len, vocab, t, partial_ptr, hist_ptr,
-                                 filtered, is_random, STEP_CHUNKS, BLOCK_V, NUM_BINS, BIN_SCALE, HIST_GROUP)
-    elif CHUNK_IS_BLOCK:
+    if CHUNK_IS_BLOCK:
         # One block per chunk: the chunk loop itself is pipelined (the next chunks' loads in flight).
         for c in tl.range(c_first, c_last, num_stages=NUM_STAGES):
             start = c * chunk_len
@@ -432,7 +384,7 @@ def _stats_kernel(
     top_k_stride, top_p_stride, min_p_stride,
     HAS_DRAFT_LOGITS: tl.constexpr, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
     NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr, BLOCK_C: tl.constexpr,
-    FUSED_FILTER: tl.constexpr, STEP_CHUNKS: tl.constexpr,
+    FUSED_FILTER: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr,
     GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr,
 ):
@@ -460,11 +412,11 @@ def _stats_kernel(
     if r <= k:
         _span_stats_tl(target_ptr + b * t_stride_b + r * t_stride_i, g, c_first, c_last, num_chunks, chunk_len, vocab,
                        t, partial_ptr, hist_ptr, filtered, is_random, CHUNK_IS_BLOCK, BLOCK_V, NUM_STAGES, NUM_BINS,
-                       BIN_SCALE, HIST_GROUP, STEP_CHUNKS)
+                       BIN_SCALE, HIST_GROUP)
     else:
         _span_stats_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, g, c_first, c_last, num_chunks,
                        chunk_len, vocab, t, partial_ptr, hist_ptr, filtered, is_random, CHUNK_IS_BLOCK, BLOCK_V,
-                       NUM_STAGES, NUM_BINS, BIN_SCALE, HIST_GROUP, STEP_CHUNKS)
+                       NUM_STAGES, NUM_BINS, BIN_SCALE, HIST_GROUP)
     tl.debug_barrier()  # every thread's partials and histograms are stored before the ticket publishes them
     if take_ticket_tl(ticket_ptr + g) == num_programs - 1:
         reset_ticket_tl(ticket_ptr + g)
@@ -1219,7 +1171,6 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
         HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v, BLOCK_V=block_v,
         NUM_STAGES=geometry["stats_num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
         HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
-        STEP_CHUNKS=geometry["stats_step_chunks"],
         **search, num_warps=geometry["stats_num_warps"],
         **_register_limit(geometry["filter_maxnreg" if fused_filter else "stats_maxnreg"]),  # fused: the filter's code
     )
