@@ -10,7 +10,8 @@ Triton's real compiler (TTIR, TTGIR, LLVM IR, PTX, cubin) without a GPU: catches
 for gather_run 8 and 1, disassembles it with the cuobjdump that Triton's package carries, and prints the size of the
 gather's loop (the loop that both loads the row and stores candidates): SASS instructions per 1024-entry block and
 thread, barriers, shuffles: where the pass is bound by instruction issue, the count predicts its time (a
-device call confirms).
+device call confirms). It also prints the two loops of the gather from sub-block maxima (geometry sub_block): the
+listing of the sub-blocks that reach the floor, and the gather over them.
 
 --registers compiles the statistics and filter passes as the benchmark launches them under register limits (ptx
 .maxnreg: none, 80, 64) and prints per pass the registers per thread, the programs of its warps that fit an SM's
@@ -42,7 +43,7 @@ POINTERS = {"target_ptr": "*bf16", "draft_logits_ptr": "*bf16", "logits_ptr": "*
             "stats_ptr": "*i32", "partial_ptr": "*i32", "hist_ptr": "*i32", "workspace_ptr": "*i64",
             "candidates_ptr": "*fp32", "counts_ptr": "*i32", "draft_ptr": "*i64", "seed_ptr": "*i64",
             "offset_ptr": "*i64", "position_ptr": "*i64", "out_ptr": "*i64", "logprobs_ptr": "*fp32",
-            "counters_ptr": "*i64", "probs_ptr": "*fp32", "stop_ptr": "*i32"}
+            "counters_ptr": "*i64", "probs_ptr": "*fp32", "stop_ptr": "*i32", "submax_ptr": "*fp32", "subs_ptr": "*i32"}
 
 
 def compile_variant(fn, constexprs, name, pointers=None, aligned=(), binaries=None, maxnreg=None) -> bool:
@@ -78,7 +79,8 @@ def row_pass_constexprs(gather_run) -> dict:
     """The constexprs the statistics and filter passes share, as the GPU launches them (16 chunks of a 32000 row)."""
     return {"BLOCK_V": GEOMETRY["stats_block_v"], "NUM_STAGES": GEOMETRY["stats_num_stages"], "BLOCK_C": 16,
             "SEARCH_BLOCK": GEOMETRY["search_block"], "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"],
-            "SMALL_CAP": GEOMETRY["small_cap"], "GATHER_BLOCK": GEOMETRY["gather_block"], "GATHER_RUN": gather_run}
+            "SMALL_CAP": GEOMETRY["small_cap"], "GATHER_BLOCK": GEOMETRY["gather_block"], "GATHER_RUN": gather_run,
+            "SUB_BLOCK": GEOMETRY["sub_block"]}
 
 
 # The statistics pass's pointers beyond POINTERS.
@@ -91,6 +93,9 @@ def stats_pass_constexprs(has_draft_logits, fused, chunk_is_block, filters) -> d
             "CHUNK_IS_BLOCK": chunk_is_block, "NUM_BINS": GEOMETRY["hist_bins"], "BIN_SCALE": GEOMETRY["bin_scale"],
             "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters}
 
+
+# The sub-block size the compile check and --gather-loop use while the geometry's sub_block is 0 (off).
+SUB_BLOCK = 32
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 # The launch's specializations for V = 32000, k = 4, draft probabilities: sizes and row strides divisible by 16.
@@ -119,7 +124,8 @@ def sass_loops(binary) -> tuple[list[str], list[list[str]]]:
 
 
 def gather_loop() -> int:
-    """Prints the SASS size of the filter pass's gather loop for gather_run 8 and 1 (see the module docstring)."""
+    """Prints the SASS size of the filter pass's gather loop for gather_run 8 and 1, and of the loops of its gather
+    from sub-block maxima (see the module docstring)."""
     for gather_run in (8, 1):
         constexprs = {"HAS_DRAFT_LOGITS": False, **row_pass_constexprs(gather_run)}
         binaries = []
@@ -136,6 +142,21 @@ def gather_loop() -> int:
         else:
             print(f"gather_run={gather_run}: no loop both loads the row and stores candidates")
             return 1
+    # The gather from sub-block maxima: a loop listing the sub-blocks that reach the floor, then one reading them.
+    sub_block = GEOMETRY["sub_block"] or SUB_BLOCK
+    constexprs = {"HAS_DRAFT_LOGITS": False, **row_pass_constexprs(GEOMETRY["gather_run"]), "SUB_BLOCK": sub_block}
+    binaries = []
+    if not compile_variant(kernels._filter_kernel, constexprs, f"_filter_kernel(sub_block={sub_block})",
+                           aligned=ALIGNED, binaries=binaries):
+        return 1
+    loops = [loop for loop in sass_loops(binaries[0])[1] if "LDG" in "\n".join(loop) and "STG" in "\n".join(loop)]
+    if len(loops) < 2:
+        print(f"sub_block={sub_block}: expected a listing loop and a gather loop")
+        return 1
+    per_step = GEOMETRY["gather_block"] // sub_block
+    print(f"sub_block={sub_block}: listing {len(loops[0])} SASS instructions per {GEOMETRY['gather_block']} "
+          f"sub-blocks and thread; gather {len(loops[1])} per {per_step} sub-blocks ({GEOMETRY['gather_block']} "
+          f"entries) and thread, {chr(10).join(loops[1]).count('BAR.SYNC')} barriers")
     return 0
 
 
@@ -183,6 +204,15 @@ def main() -> int:
     for has_draft_logits in (False, True):
         ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass},
                               f"_filter_kernel(draft_logits={has_draft_logits})")
+    # The filter pass from sub-block maxima (geometry sub_block; SUB_BLOCK while it is off): the passes it changes.
+    sub = {"SUB_BLOCK": GEOMETRY["sub_block"] or SUB_BLOCK}
+    for has_draft_logits, fused in ((False, False), (True, True)):
+        ok &= compile_variant(kernels._stats_kernel,
+                              {**stats_pass_constexprs(has_draft_logits, fused, True, True), **sub},
+                              f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused}, "
+                              f"sub_block={sub['SUB_BLOCK']})", STATS_POINTERS)
+    ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": False, **row_pass, **sub},
+                          f"_filter_kernel(sub_block={sub['SUB_BLOCK']})")
     # Both row passes as sample_draft_filtered launches them on V = 32000 (one row per request, k = 0, one value of
     # each filter for the batch: stride 0), with the sizes' specializations: a layout-pass failure of triton 3.6 in
     # a gather variant showed only so (the H200 found it; every variant above compiled).

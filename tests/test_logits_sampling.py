@@ -717,6 +717,148 @@ def test_non_finite_rows_stay_in_range(params):
             assert torch.equal(out[3:], expected[3:])
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_gather_from_sub_blocks_stores_candidates_in_order():
+    """The filter pass's gather from sub-block maxima (`_gather_sub_blocks_tl`): the same candidates, order and count
+    as the plain gather, while reading only the sub-blocks whose maximum reaches the floor: a sub-block whose
+    maximum is poisoned below the floor is skipped (its entries never become candidates), which shows the gather
+    trusts the maxima rather than reading everything."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gather_kernel(row_ptr, submax_ptr, subs_ptr, num_subs, start, end, floor_ptr, segment_ptr, count_ptr,
+                      CAP: tl.constexpr, GATHER_BLOCK: tl.constexpr, SUB_BLOCK: tl.constexpr):
+        i = tl.program_id(0)
+        count = kernels._gather_sub_blocks_tl(row_ptr, submax_ptr, subs_ptr + i * num_subs, start, end,
+                                              tl.load(floor_ptr + i), segment_ptr + i * CAP, CAP, GATHER_BLOCK,
+                                              SUB_BLOCK)
+        tl.store(count_ptr + i, count)
+
+    device = "cuda" if HAS_CUDA else "cpu"
+    gen = torch.Generator().manual_seed(12)
+    vocab, sub, cap = 301, 16, 40
+    row = torch.round(torch.randn(vocab, generator=gen) * 8) / 4  # ties at the floors
+    row[torch.rand(vocab, generator=gen) < 0.05] = float("nan")
+    row[torch.rand(vocab, generator=gen) < 0.05] = NEG_INF
+    row[160:176] = float("nan")  # a sub-block of NaN alone
+    num_subs = -(-vocab // sub)
+    for poisoned in (None, 3):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = row.to(dtype)
+            padded = torch.cat([x.float(), torch.full((num_subs * sub - vocab,), NEG_INF)]).view(num_subs, sub)
+            maxima = torch.where(torch.isnan(padded), NEG_INF, padded).max(dim=1).values  # NaN ignored
+            if poisoned is not None:
+                maxima[poisoned] = -1e30  # below every floor but -1e30 and -inf
+            for start, end in ((0, vocab), (32, 290), (96, 100)):
+                for gather_block in (16, 64):
+                    floors = torch.tensor([1e30, 2.0, 0.5, -1.0, -1e30, NEG_INF])
+                    segments = torch.full((len(floors), cap), 12345.0)
+                    counts = torch.full((len(floors),), -1, dtype=torch.int32)
+                    subs = torch.full((len(floors), num_subs), -7, dtype=torch.int32)
+                    args = [t.to(device) for t in (x, maxima, subs, floors, segments, counts)]
+                    gather_kernel[(len(floors),)](args[0], args[1], args[2], num_subs, start, end, args[3], args[4],
+                                                  args[5], CAP=cap, GATHER_BLOCK=gather_block, SUB_BLOCK=sub)
+                    for i, floor in enumerate(floors.tolist()):
+                        span = x.float().clone()
+                        if poisoned is not None and floor > -1e30:  # float32: the floor is the maximum
+                            span[poisoned * sub:(poisoned + 1) * sub] = float("nan")  # skipped
+                        span = span[start:end]
+                        expected = span[span >= floor]  # NaN compares false
+                        where = (dtype, start, end, gather_block, poisoned, floor)
+                        assert args[5][i].item() == expected.numel(), where
+                        stored = min(cap, expected.numel())
+                        assert torch.equal(args[4][i, :stored].cpu(), expected[:stored]), where
+                        assert (args[4][i, stored:].cpu() == 12345.0).all(), where
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("one_block", [True, False], ids=["one_block_chunk", "two_block_chunk"])
+def test_triton_statistics_store_sub_block_maxima(one_block):
+    """A filtered chunk's statistics store the maximum of each SUB_BLOCK entries (NaN ignored, -inf past the row's
+    end), the bound the filter pass trusts to skip a sub-block: a chunk read as one block, and one read in two."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stats_kernel(row_ptr, start, end, vocab, hist_ptr, submax_ptr, ONE_BLOCK: tl.constexpr,
+                     BLOCK_V: tl.constexpr, SUB_BLOCK: tl.constexpr):
+        if ONE_BLOCK:
+            kernels._chunk_stats_block_tl(row_ptr, start, end, vocab, 1.0, hist_ptr, submax_ptr, True, True,
+                                          BLOCK_V, 64, 1, 4, SUB_BLOCK)
+        else:
+            kernels._chunk_stats_tl(row_ptr, start, end, vocab, 1.0, hist_ptr, submax_ptr, True, BLOCK_V, 1, 64, 1,
+                                    4, SUB_BLOCK)
+
+    device = "cuda" if HAS_CUDA else "cpu"
+    gen = torch.Generator().manual_seed(13)
+    vocab, sub = 150, 8
+    block = 32 if one_block else 16
+    row = torch.randn(vocab, generator=gen) * 4
+    row[torch.rand(vocab, generator=gen) < 0.1] = float("nan")
+    row[torch.rand(vocab, generator=gen) < 0.1] = NEG_INF
+    row[136:144] = float("nan")
+    for start in (96, 128):  # a full chunk, and the row's last (22 entries, then padding)
+        end = min(start + 32, vocab)
+        submax = torch.full((32 // sub,), 12345.0)
+        args = [t.to(device) for t in (row, torch.zeros(64, dtype=torch.int32), submax)]
+        stats_kernel[(1,)](args[0], start, end, vocab, args[1], args[2], ONE_BLOCK=one_block, BLOCK_V=block,
+                           SUB_BLOCK=sub)
+        chunk = torch.cat([row[start:end], torch.full((start + 32 - end,), NEG_INF)]).view(-1, sub)
+        expected = torch.where(torch.isnan(chunk), NEG_INF, chunk).max(dim=1).values
+        got = args[2].cpu()
+        # An all-NaN sub-block's maximum may be NaN or -inf: either reaches no floor above -inf.
+        all_nan = torch.isnan(chunk).all(dim=1)
+        assert torch.equal(got[~all_nan], expected[~all_nan]), (start, got, expected)
+        assert (torch.isnan(got[all_nan]) | (got[all_nan] == NEG_INF)).all(), (start, got)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_sub_blocks_do_not_change_results(monkeypatch):
+    """The filter pass reading only the sub-blocks whose maximum reaches its floor (geometry sub_block) gathers the
+    same candidates in the same order, so tokens and logprobs are bit for bit those of the full read: draft logits
+    in chunks of one block, several programs per row; draft probabilities in chunks of two blocks, the filter fused;
+    token-wise and block verification; sample_draft_filtered with its probabilities; peaked and flat rows (the cap
+    overflows into the full search), greedy, min-p and unfiltered rows."""
+    gen = torch.Generator().manual_seed(93)
+    cases = []
+    for draft in ("logits", "probs"):
+        args = list(make_case(94, 4, 2, 150, draft=draft))
+        args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
+        args[0][0] = torch.round(torch.randn(3, 150, generator=gen) * 4) / 2  # request 0 flat
+        args[4] = torch.tensor([0.9, 1.2, 0.0, 0.8])
+        args[5] = torch.tensor([7, 0, 3, 30])
+        args[6] = torch.tensor([0.8, 0.9, 1.0, 1.0])
+        args[7] = torch.tensor([0.0, 0.1, 0.0, 0.02])
+        if draft == "probs":
+            noisy = args[0][:, :2] + torch.randn(4, 2, 150, generator=gen) * 0.5
+            args[2] = contract.processed_distribution(noisy, *args[4:8])
+        cases.append(tuple(args))
+    launches = [dict(num_chunks=10, chunks_per_program=3, fused_filter=False),
+                dict(num_chunks=5, chunks_per_program=5, fused_filter=True, gather_cap=64)]
+    draft_args = list(make_draft_case(74, 10, 120))
+    draft_args[0] = torch.where(torch.isinf(draft_args[0]), draft_args[0], peaked_logits(gen, draft_args[0].shape))
+    for sub_block in (0, 8):
+        monkeypatch.setitem(kernels.LOGITS_SAMPLING, "sub_block", sub_block)
+        results = []
+        for args, launch in zip(cases, launches):
+            for block in (False, True):
+                results.append(run_triton(args, block, logprobs=True, block_v=16, **launch))
+        probs = torch.empty(10, 120)
+        results.append((draft_triton(tuple(draft_args), probs, block_v=16, num_chunks=4), probs))
+        if sub_block == 0:
+            full_read = results
+            expected, expected_lp = reference(cases[0], False, logprobs=True)
+            assert torch.equal(results[0][0], expected)
+            torch.testing.assert_close(results[0][1], expected_lp, **LOGPROB_TOL)
+            continue
+        for (out, lp), (full_out, full_lp) in zip(results, full_read):
+            assert torch.equal(out, full_out), sub_block
+            assert torch.equal(lp, full_lp), sub_block
+    if not HAS_CUDA:
+        assert scratch_is_zeroed()
+
+
 # --- sample_draft_filtered ---------------------------------------------------------------------------------------
 
 
@@ -1275,13 +1417,15 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(": ok (") == 23, result.stdout
-    # Both forms of the filter pass's gather (the default geometry compiles one) compile and disassemble.
+    assert result.stdout.count(": ok (") == 26, result.stdout
+    # Both forms of the filter pass's gather (the default geometry compiles one), and its gather from sub-block
+    # maxima, compile and disassemble.
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py"), "--gather-loop"],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     for gather_run in (8, 1):
         assert f"gather_run={gather_run}: " in result.stdout and "SASS instructions" in result.stdout, result.stdout
+    assert "sub_block=32: listing " in result.stdout, result.stdout
     # The row passes compile under register limits of 80 and 64 (the script's), and the compiler holds to them.
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py"), "--registers"],
                             env=env, capture_output=True, text=True, timeout=600)

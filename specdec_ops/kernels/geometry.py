@@ -72,6 +72,11 @@ LOGITS_SAMPLING = dict(
     # 171 against 422 SASS instructions with triton 3.6 (`scripts/compile_logits_sampling.py --gather-loop`); on an
     # H100, top-k + top-p, bf16, V = 32000, draft probabilities: 44.1 against 57.7 us at B = 64 (RESULTS.md).
     gather_run=8,
+    # 0: the filter pass reads every entry of a filtered row again. N (a power of 2): the statistics pass also stores
+    # the maximum of each N consecutive entries of a filtered row, and the filter pass reads only the sub-blocks whose
+    # maximum reaches its floor (a few percent of a row under top-k 50 or top-p 0.9 of an LLM's logits), listing them
+    # first. Off until a device times it.
+    sub_block=0,
     # Register limits (ptx .maxnreg) of the statistics pass and of the filter pass (the statistics pass too where it
     # runs the filter fused); 0: the compiler's choice. On sm_90 triton 3.6 (the device image's) gives them 95 and 96
     # registers per thread (112 fused), which lets 5 programs of 4 warps share an SM; at 64, 8 fit, the statistics

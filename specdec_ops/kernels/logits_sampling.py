@@ -30,7 +30,9 @@ memset; graph-capturable, no host sync).
    one program covers a row, so that no launch is spent on unfiltered rows; neither runs when the call passes None
    for top_k, top_p and min_p, and with top_k and top_p both None the histograms are compiled out of pass 1): every
    program stores its chunks' logits x >= x_floor (no division per entry), in order by a scan per block (no
-   atomics), in a segment of its own (at most CAP) and their count; the last program reads the segments as one
+   atomics), in a segment of its own (at most CAP) and their count (with geometry sub_block, pass 1 also stores the
+   maximum of each sub_block entries of a filtered row, and pass 2 lists the sub-blocks whose maximum reaches x_floor
+   and reads only those: the same candidates in the same order); the last program reads the segments as one
    list, divides it, sorts it in registers (tl.sort, tl.cumsum; SMALL_CAP entries when there are that few, else
    CAP: the size is a function of the row alone, and the candidates' order does not matter) and finds tau_k, M_k,
    tau_p and S exactly, ties at the cut-off kept, as the contract says. x / t rounds monotonically in x (the GPU's
@@ -242,9 +244,17 @@ def _histogram_tl(x, top_bin, BLOCK_V: tl.constexpr, NUM_BINS: tl.constexpr, BIN
     return tl.histogram(tl.where(inside, depth, NUM_BINS - 1).to(tl.int32), NUM_BINS)
 
 @triton.jit
-def _chunk_stats_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered,
+def _store_sub_maxima_tl(submax_ptr, x, BLOCK_V: tl.constexpr, SUB_BLOCK: tl.constexpr):
+    """The maximum of each SUB_BLOCK consecutive entries of a block x [BLOCK_V] (NaN ignored, -inf past the row) at
+    submax_ptr [BLOCK_V / SUB_BLOCK]: the filter pass reads only the sub-blocks whose maximum reaches its floor."""
+    tl.store(submax_ptr + tl.arange(0, BLOCK_V // SUB_BLOCK),
+             tl.max(tl.reshape(x, [BLOCK_V // SUB_BLOCK, SUB_BLOCK]), axis=1))
+
+
+@triton.jit
+def _chunk_stats_tl(row_ptr, start, end, vocab, t, hist_ptr, submax_ptr, filtered,
                     BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_BINS: tl.constexpr,
-                    BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr):
+                    BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr, SUB_BLOCK: tl.constexpr):
     """One chunk [start, end) of a logit row: (max x, sum of exp((x - max x) / t), argmax, the max's bin), and with
     `filtered` the chunk's histogram (`_histogram_tl`: of its groups' maxima, bins of width 1 / BIN_SCALE below the
     max's, the last bin holding the rest) stored at hist_ptr [NUM_BINS] int32."""
@@ -277,13 +287,15 @@ def _chunk_stats_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered,
             v = v0 + tl.arange(0, BLOCK_V)
             x = tl.load(row_ptr + v, mask=v < end, other=float("-inf")).to(tl.float32)
             hist += _histogram_tl(x, top_bin, BLOCK_V, NUM_BINS, BIN_SCALE, HIST_GROUP)
+            if SUB_BLOCK > 0:
+                _store_sub_maxima_tl(submax_ptr + (v0 - start) // SUB_BLOCK, x, BLOCK_V, SUB_BLOCK)
         tl.store(hist_ptr + tl.arange(0, NUM_BINS), hist)
     return top, total, argmax, top_bin
 
 @triton.jit
-def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered, is_random,
+def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, submax_ptr, filtered, is_random,
                           BLOCK_V: tl.constexpr, NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr,
-                          HIST_GROUP: tl.constexpr):
+                          HIST_GROUP: tl.constexpr, SUB_BLOCK: tl.constexpr):
     """`_chunk_stats_tl` of a chunk that is one block (end - start <= BLOCK_V), read once: the max, the argmax and
     the sum from the block in registers, and with `filtered` the histogram from the same registers. The pass is
     issue-bound, so each row computes only what its mode reads: a random row the max and the sum (argmax 0), a
@@ -304,15 +316,28 @@ def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, filtered, is_
     top_bin = tl.floor(top * BIN_SCALE)
     if filtered:
         tl.store(hist_ptr + tl.arange(0, NUM_BINS), _histogram_tl(x, top_bin, BLOCK_V, NUM_BINS, BIN_SCALE, HIST_GROUP))
+        if SUB_BLOCK > 0:
+            _store_sub_maxima_tl(submax_ptr, x, BLOCK_V, SUB_BLOCK)
     return top, total, argmax, top_bin
 
 
 @triton.jit
-def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t, partial_ptr, hist_ptr, filtered,
-                   is_random, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
-                   NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr):
+def _sub_block_ptr_tl(ptr, entry, SUB_BLOCK: tl.constexpr):
+    """The slot of the sub-block that holds `entry`, in an array of one slot per SUB_BLOCK entries (ptr itself
+    without sub-blocks)."""
+    if SUB_BLOCK > 0:
+        return ptr + entry // SUB_BLOCK
+    return ptr
+
+
+@triton.jit
+def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t, partial_ptr, hist_ptr,
+                   submax_ptr, filtered, is_random, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+                   NUM_STAGES: tl.constexpr, NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr,
+                   HIST_GROUP: tl.constexpr, SUB_BLOCK: tl.constexpr):
     """Chunks c_first .. c_last - 1 of row g: each chunk's statistics into partial [g, c, 4] (and its histogram
-    into hist [g, c, NUM_BINS]), computed from that chunk alone, so the same whichever program computes it."""
+    into hist [g, c, NUM_BINS], with SUB_BLOCK its sub-block maxima into the row's submax_ptr [V / SUB_BLOCK]
+    (rounded up to whole chunks)), computed from that chunk alone, so the same whichever program computes it."""
     if CHUNK_IS_BLOCK:
         # One block per chunk: the chunk loop itself is pipelined (the next chunks' loads in flight).
         for c in tl.range(c_first, c_last, num_stages=NUM_STAGES):
@@ -320,7 +345,8 @@ def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t,
             slot = g * num_chunks + c
             top, total, argmax, top_bin = _chunk_stats_block_tl(
                 row_ptr, start, tl.minimum(start + chunk_len, vocab), vocab, t, hist_ptr + slot * NUM_BINS,
-                filtered, is_random, BLOCK_V, NUM_BINS, BIN_SCALE, HIST_GROUP)
+                _sub_block_ptr_tl(submax_ptr, start, SUB_BLOCK), filtered, is_random, BLOCK_V, NUM_BINS,
+                BIN_SCALE, HIST_GROUP, SUB_BLOCK)
             _store_partial_tl(partial_ptr + slot * 4, top, total, argmax, top_bin)
     else:
         for c in range(c_first, c_last):
@@ -328,7 +354,8 @@ def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t,
             slot = g * num_chunks + c
             top, total, argmax, top_bin = _chunk_stats_tl(
                 row_ptr, start, tl.minimum(start + chunk_len, vocab), vocab, t, hist_ptr + slot * NUM_BINS,
-                filtered, BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE, HIST_GROUP)
+                _sub_block_ptr_tl(submax_ptr, start, SUB_BLOCK), filtered, BLOCK_V, NUM_STAGES, NUM_BINS,
+                BIN_SCALE, HIST_GROUP, SUB_BLOCK)
             _store_partial_tl(partial_ptr + slot * 4, top, total, argmax, top_bin)
 
 
@@ -379,14 +406,17 @@ def _anchored_top_k_bound_tl(hist_ptr, bins, in_row, top_k, NUM_BINS: tl.constex
 @triton.jit
 def _stats_kernel(
     target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, partial_ptr, hist_ptr,
-    ticket_ptr, candidates_ptr, counts_ptr, kept_mass_ptr, workspace_ptr, k, vocab, chunk_len, num_chunks,
+    ticket_ptr, candidates_ptr, counts_ptr, kept_mass_ptr, workspace_ptr,
+    submax_ptr,  # [rows, num_chunks * chunk_len / SUB_BLOCK] float32: the sub-block maxima (SUB_BLOCK only)
+    subs_ptr,  # [rows, num_chunks * chunk_len / SUB_BLOCK] int32: the filter pass's list of sub-blocks (SUB_BLOCK)
+    k, vocab, chunk_len, num_chunks,
     chunks_per_program, rows_per_request, t_stride_b, t_stride_i, d_stride_b, d_stride_i, temperature_stride,
     top_k_stride, top_p_stride, min_p_stride,
     HAS_DRAFT_LOGITS: tl.constexpr, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
     NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr, BLOCK_C: tl.constexpr,
     FUSED_FILTER: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr,
-    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr,
+    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr, SUB_BLOCK: tl.constexpr,
 ):
     """Row g = b * rows_per_request + r (target row r <= k, else draft row r - k - 1), program p: the statistics of
     chunks p * chunks_per_program .. (p + 1) * chunks_per_program - 1 (of num_chunks, each chunk_len entries) into
@@ -395,7 +425,9 @@ def _stats_kernel(
     a filtered row the filter pass's candidate floor in x (float32 bits), a lower bound of the kept set's logits;
     with one-block chunks S holds only for a random row and the argmax only for a greedy row, the one each reads.
     FUSED_FILTER: that program then runs the filter pass over the whole row itself (no `_filter_kernel` launch).
-    FILTERS: top_k or top_p was given (else no row is filtered, and the histograms are compiled out)."""
+    FILTERS: top_k or top_p was given (else no row is filtered, and the histograms are compiled out). SUB_BLOCK > 0:
+    a filtered row's maxima of its SUB_BLOCK-entry sub-blocks go to submax, and the filter pass reads only the
+    sub-blocks whose maximum reaches its floor."""
     g = tl.program_id(0).to(tl.int64)
     num_programs = tl.num_programs(1)
     c_first = tl.program_id(1) * chunks_per_program
@@ -409,14 +441,15 @@ def _stats_kernel(
     top_p = tl.load(top_p_ptr + b * top_p_stride)
     k_on = (top_k > 0) & (top_k < vocab)
     filtered = is_random & (k_on | (top_p < 1.0)) & FILTERS
+    row_submax = _sub_block_ptr_tl(submax_ptr, g * num_chunks * chunk_len, SUB_BLOCK)
     if r <= k:
         _span_stats_tl(target_ptr + b * t_stride_b + r * t_stride_i, g, c_first, c_last, num_chunks, chunk_len, vocab,
-                       t, partial_ptr, hist_ptr, filtered, is_random, CHUNK_IS_BLOCK, BLOCK_V, NUM_STAGES, NUM_BINS,
-                       BIN_SCALE, HIST_GROUP)
+                       t, partial_ptr, hist_ptr, row_submax, filtered, is_random, CHUNK_IS_BLOCK, BLOCK_V, NUM_STAGES,
+                       NUM_BINS, BIN_SCALE, HIST_GROUP, SUB_BLOCK)
     else:
         _span_stats_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, g, c_first, c_last, num_chunks,
-                       chunk_len, vocab, t, partial_ptr, hist_ptr, filtered, is_random, CHUNK_IS_BLOCK, BLOCK_V,
-                       NUM_STAGES, NUM_BINS, BIN_SCALE, HIST_GROUP)
+                       chunk_len, vocab, t, partial_ptr, hist_ptr, row_submax, filtered, is_random, CHUNK_IS_BLOCK,
+                       BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE, HIST_GROUP, SUB_BLOCK)
     tl.debug_barrier()  # every thread's partials and histograms are stored before the ticket publishes them
     if take_ticket_tl(ticket_ptr + g) == num_programs - 1:
         reset_ticket_tl(ticket_ptr + g)
@@ -470,8 +503,9 @@ def _stats_kernel(
             # As the row's one program: one segment per row (rows * CAP of the [rows, programs, CAP] candidates).
             _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, 0, 1, 0, num_chunks, num_chunks, chunk_len,
                            vocab, temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, counts_ptr,
-                           kept_mass_ptr, workspace_ptr, k, t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V,
-                           NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN)
+                           kept_mass_ptr, workspace_ptr, submax_ptr, subs_ptr, k, t_stride_b, t_stride_i, d_stride_b,
+                           d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C,
+                           GATHER_BLOCK, GATHER_RUN, SUB_BLOCK)
 
 @triton.jit
 def _run_of_8_tl(x):
@@ -540,6 +574,38 @@ def _gather_span_tl(row_ptr, start, end, x_floor, segment_ptr, CAP: tl.constexpr
     return count
 
 @triton.jit
+def _gather_sub_blocks_tl(row_ptr, submax_ptr, subs_ptr, start, end, x_floor, segment_ptr, CAP: tl.constexpr,
+                          GATHER_BLOCK: tl.constexpr, SUB_BLOCK: tl.constexpr):
+    """`_gather_span_tl` from the sub-block maxima: only the SUB_BLOCK-entry sub-blocks of [start, end) whose
+    maximum (submax_ptr, one per sub-block of the row) reaches x_floor can hold a candidate, so their indices are
+    listed first, in order, at subs_ptr (the same numbering; this span's slots only), and the logits are read from
+    those sub-blocks alone, GATHER_BLOCK / SUB_BLOCK of them per step. Same candidates, same order, same count. A
+    sub-block's maximum ignores NaN, so it is at least every entry that can compare >= x_floor."""
+    first = start // SUB_BLOCK
+    last = tl.cdiv(end, SUB_BLOCK)
+    listed = tl.zeros([], tl.int32)
+    for s0 in range(first, last, GATHER_BLOCK):
+        sub = s0 + tl.arange(0, GATHER_BLOCK)
+        # Past the span: NaN, which reaches no floor.
+        reaches = (tl.load(submax_ptr + sub, mask=sub < last, other=float("nan")) >= x_floor).to(tl.int32)
+        tl.store(subs_ptr + first + listed + tl.cumsum(reaches, axis=0) - reaches, sub, mask=reaches > 0)
+        listed += tl.sum(reaches, axis=0)
+    tl.debug_barrier()  # the list is stored before any thread reads it
+    count = tl.zeros([], tl.int32)
+    for i0 in range(0, listed, GATHER_BLOCK // SUB_BLOCK):
+        i = i0 + tl.arange(0, GATHER_BLOCK // SUB_BLOCK)
+        sub = tl.load(subs_ptr + first + i, mask=i < listed, other=0)
+        v = sub[:, None] * SUB_BLOCK + tl.arange(0, SUB_BLOCK)[None, :]
+        # Padding loads as NaN, which compares false with any floor (-inf included); so does a NaN logit.
+        x = tl.load(row_ptr + v, mask=(i < listed)[:, None] & (v < end), other=float("nan")).to(tl.float32)
+        candidate = (x >= x_floor).to(tl.int32)
+        in_sub = tl.sum(candidate, axis=1)
+        position = (count + tl.cumsum(in_sub, axis=0) - in_sub)[:, None] + tl.cumsum(candidate, axis=1) - candidate
+        tl.store(segment_ptr + position, x, mask=(candidate > 0) & (position < CAP))
+        count += tl.sum(in_sub, axis=0)
+    return count
+
+@triton.jit
 def _chunk_kept_mass_tl(row_ptr, start, end, t, m, min_e, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Sum of e = exp(z - m) >= min_e over the chunk (min-p alone)."""
     lane = tl.zeros([BLOCK_V], tl.float32)
@@ -578,14 +644,21 @@ def _search_fallback_tl(row_ptr, vocab, t, m, mass_all, k_on, top_k, p_on, top_p
 
 @triton.jit
 def _span_filter_tl(row_ptr, c_first, c_last, chunk_len, vocab, t, m, x_floor, min_e, searched, segment_ptr,
-                    count_ptr, kept_mass_ptr, CAP: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
-                    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr):
+                    count_ptr, kept_mass_ptr, submax_ptr, subs_ptr, CAP: tl.constexpr, BLOCK_V: tl.constexpr,
+                    NUM_STAGES: tl.constexpr, GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr,
+                    SUB_BLOCK: tl.constexpr):
     """The filter pass over chunks c_first .. c_last - 1 of one row: with top-k or top-p on, their logits x >= x_floor
     into this program's segment of the candidates and their count into count_ptr; else (min-p alone) each chunk's
     kept mass into kept_mass_ptr [c], a sum over that chunk alone."""
     if searched:
-        tl.store(count_ptr, _gather_span_tl(row_ptr, c_first * chunk_len, tl.minimum(c_last * chunk_len, vocab),
-                                            x_floor, segment_ptr, CAP, GATHER_BLOCK, GATHER_RUN, NUM_STAGES))
+        if SUB_BLOCK > 0:
+            count = _gather_sub_blocks_tl(row_ptr, submax_ptr, subs_ptr, c_first * chunk_len,
+                                          tl.minimum(c_last * chunk_len, vocab), x_floor, segment_ptr, CAP,
+                                          GATHER_BLOCK, SUB_BLOCK)
+        else:
+            count = _gather_span_tl(row_ptr, c_first * chunk_len, tl.minimum(c_last * chunk_len, vocab), x_floor,
+                                    segment_ptr, CAP, GATHER_BLOCK, GATHER_RUN, NUM_STAGES)
+        tl.store(count_ptr, count)
     else:
         for c in range(c_first, c_last):
             start = c * chunk_len
@@ -596,10 +669,10 @@ def _span_filter_tl(row_ptr, c_first, c_last, chunk_len, vocab, t, m, x_floor, m
 @triton.jit
 def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, program, num_programs, c_first, c_last, num_chunks,
                    chunk_len, vocab, temperature, top_k, top_p, min_e, stats_ptr, candidates_ptr, counts_ptr,
-                   partial_ptr, workspace_ptr, k, t_stride_b, t_stride_i, d_stride_b, d_stride_i,
-                   BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
+                   partial_ptr, workspace_ptr, submax_ptr, subs_ptr, k, t_stride_b, t_stride_i, d_stride_b,
+                   d_stride_i, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
                    NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-                   GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr):
+                   GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, SUB_BLOCK: tl.constexpr):
     """Chunks c_first .. c_last - 1 of row g's filter pass (program `program` of num_programs; see
     `_filter_kernel`)."""
     k_on = (top_k > 0) & (top_k < vocab)
@@ -614,14 +687,19 @@ def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, program, num_programs,
         x_floor = lo.to(tl.float32, bitcast=True)  # a searched row's slot holds the candidates' floor
         segments = candidates_ptr + g * num_programs * CAP
         counts = counts_ptr + g * num_programs
+        row_start = g * num_chunks * chunk_len  # the row's first entry in the sub-block arrays' numbering
+        row_submax = _sub_block_ptr_tl(submax_ptr, row_start, SUB_BLOCK)
+        row_subs = _sub_block_ptr_tl(subs_ptr, row_start, SUB_BLOCK)
         if r <= k:
             _span_filter_tl(target_ptr + b * t_stride_b + r * t_stride_i, c_first, c_last, chunk_len, vocab, t, m,
                             x_floor, min_e, searched, segments + program * CAP, counts + program,
-                            partial_ptr + g * num_chunks, CAP, BLOCK_V, NUM_STAGES, GATHER_BLOCK, GATHER_RUN)
+                            partial_ptr + g * num_chunks, row_submax, row_subs, CAP, BLOCK_V, NUM_STAGES,
+                            GATHER_BLOCK, GATHER_RUN, SUB_BLOCK)
         else:
             _span_filter_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, c_first, c_last, chunk_len,
                             vocab, t, m, x_floor, min_e, searched, segments + program * CAP, counts + program,
-                            partial_ptr + g * num_chunks, CAP, BLOCK_V, NUM_STAGES, GATHER_BLOCK, GATHER_RUN)
+                            partial_ptr + g * num_chunks, row_submax, row_subs, CAP, BLOCK_V, NUM_STAGES,
+                            GATHER_BLOCK, GATHER_RUN, SUB_BLOCK)
         tl.debug_barrier()  # every thread's candidates and masses are stored before the ticket publishes them
         if take_ticket_tl(workspace_ptr + g) == num_programs - 1:
             reset_ticket_tl(workspace_ptr + g)
@@ -664,11 +742,12 @@ def _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, program, num_programs,
 @triton.jit
 def _filter_kernel(
     target_ptr, draft_logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, stats_ptr, candidates_ptr,
-    counts_ptr, partial_ptr, workspace_ptr, k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request,
+    counts_ptr, partial_ptr, workspace_ptr, submax_ptr, subs_ptr, k, vocab, chunk_len, num_chunks, chunks_per_program,
+    rows_per_request,
     t_stride_b, t_stride_i, d_stride_b, d_stride_i, temperature_stride, top_k_stride, top_p_stride, min_p_stride,
     HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, SEARCH_BLOCK: tl.constexpr,
     NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr,
+    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, SUB_BLOCK: tl.constexpr,
 ):
     """The thresholds of the filtered rows (rows no filter touches return at once). Program p of row g covers
     chunks p * chunks_per_program .. (p + 1) * chunks_per_program - 1: with top-k or top-p on, their logits at or
@@ -687,9 +766,9 @@ def _filter_kernel(
     min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
     _filter_row_tl(target_ptr, draft_logits_ptr, g, b, r, program, tl.num_programs(1), c_first,
                    tl.minimum(c_first + chunks_per_program, num_chunks), num_chunks, chunk_len, vocab, temperature,
-                   top_k, top_p, min_e, stats_ptr, candidates_ptr, counts_ptr, partial_ptr, workspace_ptr, k,
-                   t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES,
-                   CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN)
+                   top_k, top_p, min_e, stats_ptr, candidates_ptr, counts_ptr, partial_ptr, workspace_ptr,
+                   submax_ptr, subs_ptr, k, t_stride_b, t_stride_i, d_stride_b, d_stride_i, BLOCK_V, NUM_STAGES,
+                   SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN, SUB_BLOCK)
 
 @triton.jit
 def _prob_tl(x, t, m, tau, mass, min_e):
@@ -1159,15 +1238,22 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     # scan's tensor smaller than the thread count, copied over threads. The interpreter keeps the row's block, so
     # that the CPU tests' short rows take several gather steps.
     gather_block = geometry["gather_block"] if device.type == "cuda" else min(geometry["gather_block"], block_v)
+    # The filter pass reads only the sub-blocks whose maximum reaches its floor (0: every entry). A sub-block lies
+    # in one statistics block and one gather step.
+    sub_block = min(geometry["sub_block"], block_v, gather_block) if filters else 0
+    sub_shape = (rows, num_chunks * chunk_len // sub_block) if sub_block else (1,)
+    submax = torch.empty(sub_shape, dtype=torch.float32, device=device)
+    subs = torch.empty(sub_shape, dtype=torch.int32, device=device)
     # The interpreter's cap is small (_gather_cap); a quarter of it keeps both sorts in the CPU tests.
     search = dict(SEARCH_BLOCK=min(geometry["search_block"], block_v), NUM_PROBES=geometry["num_probes"], CAP=cap,
                   SMALL_CAP=max(1, min(cap, geometry["small_cap"] if device.type == "cuda" else cap // 4)),
-                  GATHER_BLOCK=gather_block, GATHER_RUN=8 if geometry["gather_run"] == 8 and gather_block >= 8 else 1)
+                  GATHER_BLOCK=gather_block, GATHER_RUN=8 if geometry["gather_run"] == 8 and gather_block >= 8 else 1,
+                  SUB_BLOCK=sub_block)
     grid = (rows, programs)
     common = (k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request, *strides, *param_strides)
     _stats_kernel[grid](
         target, draft, *params, stats, partial, hist, workspace[rows:], candidates, counts, kept_mass, workspace,
-        *common,
+        submax, subs, *common,
         HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v, BLOCK_V=block_v,
         NUM_STAGES=geometry["stats_num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
         HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
@@ -1176,7 +1262,7 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     )
     if filter_pass and not fused_filter:
         _filter_kernel[grid](
-            target, draft, *params, stats, candidates, counts, kept_mass, workspace, *common,
+            target, draft, *params, stats, candidates, counts, kept_mass, workspace, submax, subs, *common,
             HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["stats_num_stages"], BLOCK_C=block_c,
             **search, num_warps=geometry["stats_num_warps"], **_register_limit(geometry["filter_maxnreg"]),
         )
