@@ -68,10 +68,11 @@ def _smid():
     return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 """),
     ("""\
-    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr,
+    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr, SUB_BLOCK: tl.constexpr,
 ):""",
      """\
-    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr, stats_timer_ptr,
+    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr, SUB_BLOCK: tl.constexpr,
+    stats_timer_ptr,
 ):"""),
     ("""\
     g = tl.program_id(0).to(tl.int64)
@@ -105,15 +106,17 @@ def _smid():
         tl.store(st_rec + 3, _gtime())
 """),
     ("""\
-NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN)""",
+                           d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C,
+                           GATHER_BLOCK, GATHER_RUN, SUB_BLOCK)""",
      """\
-NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN, stats_ptr, 0, 0, False)"""),
+                           d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C,
+                           GATHER_BLOCK, GATHER_RUN, SUB_BLOCK, stats_ptr, 0, 0, False)"""),
     ("""\
                    NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-                   GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr):""",
+                   GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, SUB_BLOCK: tl.constexpr):""",
      """\
                    NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-                   GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr,
+                   GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, SUB_BLOCK: tl.constexpr,
                    timer_ptr, t_start, c_start, TIMED: tl.constexpr):"""),
     ("""\
         tl.debug_barrier()  # every thread's candidates and masses are stored before the ticket publishes them
@@ -147,11 +150,11 @@ NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GAT
 """),
     ("""\
     NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr,
+    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, SUB_BLOCK: tl.constexpr,
 ):""",
      """\
     NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr, BLOCK_C: tl.constexpr,
-    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, timer_ptr,
+    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, SUB_BLOCK: tl.constexpr, timer_ptr,
 ):"""),
     ("""\
     g = tl.program_id(0).to(tl.int64)
@@ -166,10 +169,11 @@ NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GAT
     c_first = program * chunks_per_program
 """),
     ("""\
-                   CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN)
+                   SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN, SUB_BLOCK)
 """,
      """\
-                   CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN, timer_ptr, t_start, c_start, True)
+                   SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GATHER_RUN, SUB_BLOCK, timer_ptr,
+                   t_start, c_start, True)
 """),
     ("""\
     grid = (rows, programs)
@@ -187,10 +191,10 @@ NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C, GATHER_BLOCK, GAT
         HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
         stats_timer_ptr=STATS_TIMER, **search, num_warps"""),
     ("""\
-            HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"], BLOCK_C=block_c,
+            HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["stats_num_stages"], BLOCK_C=block_c,
             **search, num_warps""",
      """\
-            HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["num_stages"], BLOCK_C=block_c,
+            HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["stats_num_stages"], BLOCK_C=block_c,
             timer_ptr=FILTER_TIMER, **search, num_warps""")
 ]
 

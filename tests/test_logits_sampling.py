@@ -421,6 +421,23 @@ def peaked_logits(gen, shape):
     return torch.round(torch.where(lead, base + 6.0, base) * 4) / 4
 
 
+def split_vocab_case(seed, k, draft, params):
+    """4 requests over V = 150 for the split-vocabulary tests: peaked rows, request 0 flat (a small cap overflows into
+    the full search), params = (temperature, top_k, top_p, min_p) per request, and the draft's logits or its
+    processed probabilities from the target's first k rows plus noise."""
+    gen = torch.Generator().manual_seed(seed - 1)
+    args = list(make_case(seed, 4, k, 150, draft=draft))
+    args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
+    args[0][0] = torch.round(torch.randn(k + 1, 150, generator=gen) * 4) / 2  # request 0 flat
+    args[4:8] = [torch.tensor(values) for values in params]
+    noisy = args[0][:, :k] + torch.randn(4, k, 150, generator=gen) * 0.5
+    if draft == "logits":
+        args[3] = noisy.to(args[3].dtype)
+    else:
+        args[2] = contract.processed_distribution(noisy, *args[4:8])
+    return tuple(args)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("num_chunks,cap,draft,fused", [(3, None, "logits", False), (5, 64, "probs", False),
                                                         (4, 64, "logits", True)])
@@ -430,21 +447,10 @@ def test_triton_split_vocab(num_chunks, cap, draft, fused):
     the race winners met in the atomic maximum; peaked rows (the histogram's bound finishes them by the sort) and
     flat ones (the cap of 32 or 64 overflows: the full search), both modes; `fused`: the filter pass run by each
     row's last statistics program instead of its own launch."""
-    gen = torch.Generator().manual_seed(90 + num_chunks)
-    args = list(make_case(91 + num_chunks, 4, 3, 150, draft=draft))
-    args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
-    args[0][0] = torch.round(torch.randn(4, 150, generator=gen) * 4) / 2  # request 0 flat
-    args[4] = torch.tensor([0.9, 1.3, 0.7, 1.0])
-    args[5] = torch.tensor([5, 0, 40, 12])
-    args[6] = torch.tensor([0.9, 0.8, 1.0, 0.5])
-    args[7] = torch.tensor([0.0, 0.0, 0.02, 0.0])
-    if draft == "logits":
-        args[3] = (args[0][:, :3] + torch.randn(4, 3, 150, generator=gen) * 0.5).to(args[3].dtype)
-    else:
-        noisy = args[0][:, :3] + torch.randn(4, 3, 150, generator=gen) * 0.5
-        args[2] = contract.processed_distribution(noisy, *args[4:8])
+    args = split_vocab_case(91 + num_chunks, 3, draft, ([0.9, 1.3, 0.7, 1.0], [5, 0, 40, 12], [0.9, 0.8, 1.0, 0.5],
+                                                        [0.0, 0.0, 0.02, 0.0]))
     for block in (False, True):
-        check_against_reference(run_triton, tuple(args), block, block_v=16, num_chunks=num_chunks,
+        check_against_reference(run_triton, args, block, block_v=16, num_chunks=num_chunks,
                                 gather_cap=cap, fused_filter=fused)
 
 
@@ -508,6 +514,30 @@ def test_triton_outlier_maximum_keeps_a_tight_candidate_bound(monkeypatch):
         assert bound <= kth and above <= 2 * top_k + 16, (g, float(bound), float(kth), above)
 
 
+# The gathers' floors: none, a few (ties included), many (past CAP), every finite one and, at -inf, the -inf entries
+# too.
+GATHER_FLOORS = (1e30, 2.0, 0.5, -1.0, -1e30, NEG_INF)
+
+
+def gather_row(seed, vocab=301):
+    """A logit row for the gather tests: a quarter grid (ties at the floors), about 5 % NaN and 5 % -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    row = torch.round(torch.randn(vocab, generator=gen) * 8) / 4
+    row[torch.rand(vocab, generator=gen) < 0.05] = float("nan")
+    row[torch.rand(vocab, generator=gen) < 0.05] = NEG_INF
+    return row
+
+
+def check_gathered(count, segment, span, floor, cap, where):
+    """The gather's count and segment [cap] (prefilled with 12345) hold the entries of span >= floor, in order: the
+    count of all of them, the first cap stored, the rest of the segment untouched."""
+    expected = span[span >= floor]  # NaN compares false
+    assert count == expected.numel(), where
+    stored = min(cap, expected.numel())
+    assert torch.equal(segment[:stored].cpu(), expected[:stored]), where
+    assert (segment[stored:].cpu() == 12345.0).all(), where
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("gather_run", [8, 1])
 def test_triton_gather_stores_candidates_in_order(gather_run):
@@ -526,28 +556,20 @@ def test_triton_gather_stores_candidates_in_order(gather_run):
         tl.store(count_ptr + i, count)
 
     device = "cuda" if HAS_CUDA else "cpu"
-    gen = torch.Generator().manual_seed(11)
     vocab, block, cap = 301, 32, 40
-    row = torch.round(torch.randn(vocab, generator=gen) * 8) / 4  # ties at the floors
-    row[torch.rand(vocab, generator=gen) < 0.05] = float("nan")
-    row[torch.rand(vocab, generator=gen) < 0.05] = NEG_INF
+    row = gather_row(11, vocab)
     for dtype in (torch.float32, torch.bfloat16):
         x = row.to(dtype)
         for start, end in ((0, vocab), (32, 290), (96, 100)):
             span = x[start:end].float()
-            # none, a few (ties included), many (past CAP), every finite one and, at -inf, the -inf entries too
-            floors = torch.tensor([1e30, 2.0, 0.5, -1.0, -1e30, NEG_INF])
+            floors = torch.tensor(GATHER_FLOORS)
             segments = torch.full((len(floors), cap), 12345.0)
             counts = torch.full((len(floors),), -1, dtype=torch.int32)
             args = [t.to(device) for t in (x, floors, segments, counts)]
             gather_kernel[(len(floors),)](args[0], start, end, args[1], args[2], args[3], CAP=cap,
                                           GATHER_BLOCK=block, GATHER_RUN=gather_run)
             for i, floor in enumerate(floors.tolist()):
-                expected = span[span >= floor]  # NaN compares false
-                assert args[3][i].item() == expected.numel(), (dtype, start, end, floor)
-                stored = min(cap, expected.numel())
-                assert torch.equal(args[2][i, :stored].cpu(), expected[:stored]), (dtype, start, end, floor)
-                assert (args[2][i, stored:].cpu() == 12345.0).all(), (dtype, start, end, floor)
+                check_gathered(args[3][i].item(), args[2][i], span, floor, cap, (dtype, start, end, floor))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -692,6 +714,28 @@ def test_triton_chunks_per_program_do_not_change_results(num_chunks):
         assert scratch_is_zeroed()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_infinite_temperature_is_uniform(kernel):
+    """temperature = inf is a random row whose z = x / T is 0 everywhere: the uniform distribution over the row,
+    whatever the filters (all of it ties at their cut-offs), as the reference has it; 3e38 (z about 1e-38, the
+    kernels' exp2 scale below its floor of 1e-30) too. V = 100 in one-block chunks of 64, whose padding must not
+    turn the sums into NaN."""
+    args = list(make_case(57, 4, 2, 100, draft="logits", masked=False))
+    args[4] = torch.tensor([math.inf, 3e38, math.inf, 0.7])
+    args[5] = torch.tensor([0, 0, 10, 0])
+    launch = dict(block_v=64) if kernel is run_triton else {}
+    for block in (False, True):
+        expected, expected_lp = check_against_reference(kernel, tuple(args), block, **launch)
+        uniform = expected_lp[[0, 2]][expected[[0, 2]] >= 0]  # the emitted tokens of the rows at T = inf
+        torch.testing.assert_close(uniform, torch.full_like(uniform, -math.log(100)))
+    if kernel is run_triton:  # the rows' statistics themselves: S = V at T = inf, every row finite
+        device = "cuda" if HAS_CUDA else "cpu"
+        target, draft_logits = (args[0].to(device), args[3].to(device))
+        stats = kernels._row_statistics(target, draft_logits, 2, 5, args[4].to(device), None, None, None, 64, None,
+                                        None).cpu()
+        assert torch.equal(stats[:5, 2].view(torch.float32), torch.full((5,), 100.0)), stats
+
+
 @pytest.mark.parametrize("params", ["off", "filters"])
 def test_non_finite_rows_stay_in_range(params):
     """NaN, +inf and all -inf rows: tokens unspecified but in [0, V), with the searches bounded; the other rows as
@@ -736,11 +780,8 @@ def test_triton_gather_from_sub_blocks_stores_candidates_in_order():
         tl.store(count_ptr + i, count)
 
     device = "cuda" if HAS_CUDA else "cpu"
-    gen = torch.Generator().manual_seed(12)
     vocab, sub, cap = 301, 16, 40
-    row = torch.round(torch.randn(vocab, generator=gen) * 8) / 4  # ties at the floors
-    row[torch.rand(vocab, generator=gen) < 0.05] = float("nan")
-    row[torch.rand(vocab, generator=gen) < 0.05] = NEG_INF
+    row = gather_row(12, vocab)
     row[160:176] = float("nan")  # a sub-block of NaN alone
     num_subs = -(-vocab // sub)
     for poisoned in (None, 3):
@@ -752,7 +793,7 @@ def test_triton_gather_from_sub_blocks_stores_candidates_in_order():
                 maxima[poisoned] = -1e30  # below every floor but -1e30 and -inf
             for start, end in ((0, vocab), (32, 290), (96, 100)):
                 for gather_block in (16, 64):
-                    floors = torch.tensor([1e30, 2.0, 0.5, -1.0, -1e30, NEG_INF])
+                    floors = torch.tensor(GATHER_FLOORS)
                     segments = torch.full((len(floors), cap), 12345.0)
                     counts = torch.full((len(floors),), -1, dtype=torch.int32)
                     subs = torch.full((len(floors), num_subs), -7, dtype=torch.int32)
@@ -763,13 +804,8 @@ def test_triton_gather_from_sub_blocks_stores_candidates_in_order():
                         span = x.float().clone()
                         if poisoned is not None and floor > -1e30:  # float32: the floor is the maximum
                             span[poisoned * sub:(poisoned + 1) * sub] = float("nan")  # skipped
-                        span = span[start:end]
-                        expected = span[span >= floor]  # NaN compares false
-                        where = (dtype, start, end, gather_block, poisoned, floor)
-                        assert args[5][i].item() == expected.numel(), where
-                        stored = min(cap, expected.numel())
-                        assert torch.equal(args[4][i, :stored].cpu(), expected[:stored]), where
-                        assert (args[4][i, stored:].cpu() == 12345.0).all(), where
+                        check_gathered(args[5][i].item(), args[4][i], span[start:end], floor, cap,
+                                       (dtype, start, end, gather_block, poisoned, floor))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -820,32 +856,36 @@ def test_triton_sub_blocks_do_not_change_results(monkeypatch):
     in chunks of one block, several programs per row; draft probabilities in chunks of two blocks, the filter fused;
     token-wise and block verification; sample_draft_filtered with its probabilities; peaked and flat rows (the cap
     overflows into the full search), greedy, min-p and unfiltered rows."""
-    gen = torch.Generator().manual_seed(93)
-    cases = []
-    for draft in ("logits", "probs"):
-        args = list(make_case(94, 4, 2, 150, draft=draft))
-        args[0] = torch.where(torch.isinf(args[0]), args[0], peaked_logits(gen, args[0].shape))
-        args[0][0] = torch.round(torch.randn(3, 150, generator=gen) * 4) / 2  # request 0 flat
-        args[4] = torch.tensor([0.9, 1.2, 0.0, 0.8])
-        args[5] = torch.tensor([7, 0, 3, 30])
-        args[6] = torch.tensor([0.8, 0.9, 1.0, 1.0])
-        args[7] = torch.tensor([0.0, 0.1, 0.0, 0.02])
-        if draft == "probs":
-            noisy = args[0][:, :2] + torch.randn(4, 2, 150, generator=gen) * 0.5
-            args[2] = contract.processed_distribution(noisy, *args[4:8])
-        cases.append(tuple(args))
+    params = ([0.9, 1.2, 0.0, 0.8], [7, 0, 3, 30], [0.8, 0.9, 1.0, 1.0], [0.0, 0.1, 0.0, 0.02])
+    cases = [split_vocab_case(94, 2, draft, params) for draft in ("logits", "probs")]
     launches = [dict(num_chunks=10, chunks_per_program=3, fused_filter=False),
                 dict(num_chunks=5, chunks_per_program=5, fused_filter=True, gather_cap=64)]
     draft_args = list(make_draft_case(74, 10, 120))
+    gen = torch.Generator().manual_seed(95)
     draft_args[0] = torch.where(torch.isinf(draft_args[0]), draft_args[0], peaked_logits(gen, draft_args[0].shape))
+    launched = []  # the statistics pass's SUB_BLOCK per launch: the sub-block path must run
+
+    class RecordingLaunch:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["SUB_BLOCK"])
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(kernels, "_stats_kernel", RecordingLaunch(kernels._stats_kernel))
     for sub_block in (0, 8):
         monkeypatch.setitem(kernels.LOGITS_SAMPLING, "sub_block", sub_block)
+        launched.clear()
         results = []
         for args, launch in zip(cases, launches):
             for block in (False, True):
                 results.append(run_triton(args, block, logprobs=True, block_v=16, **launch))
         probs = torch.empty(10, 120)
         results.append((draft_triton(tuple(draft_args), probs, block_v=16, num_chunks=4), probs))
+        assert set(launched) == {sub_block}, launched
         if sub_block == 0:
             full_read = results
             expected, expected_lp = reference(cases[0], False, logprobs=True)
@@ -1400,6 +1440,22 @@ def test_device_mismatch_is_a_clear_error():
     logits, *rest = make_draft_case(2, 4, 12)
     with pytest.raises(ValueError, match="argument 'min_p' is on meta"):
         contract.check_draft_inputs(logits, rest[0], rest[1], rest[2], rest[3].to("meta"), *rest[4:])
+
+
+def test_phase_profiler_patches_still_match():
+    """scripts/profile_logits_phases.py instruments a copy of the kernels by text replacements, each of which must
+    match logits_sampling.py exactly once: a kernel change that moves a patched line fails here, not on the next
+    device call."""
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("profile_logits_phases", root / "scripts" / "profile_logits_phases.py")
+    profiler = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profiler)
+    source = (root / "specdec_ops" / "kernels" / "logits_sampling.py").read_text()
+    instrumented = profiler.instrument(source)
+    assert instrumented.count("stats_timer_ptr") > 1 and instrumented.count("timer_ptr=FILTER_TIMER") == 1
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

@@ -252,13 +252,21 @@ def _store_sub_maxima_tl(submax_ptr, x, BLOCK_V: tl.constexpr, SUB_BLOCK: tl.con
 
 
 @triton.jit
+def _exp2_scale_tl(t):
+    """s with exp(d / t) = exp2(d * s), at least 1e-30: at t = inf (or past 1e30) s would be 0, and a -inf entry's
+    d * s NaN instead of -inf (exp2: 0); 1e-30 keeps every finite d * s at about 0 (exp2: 1), the uniform
+    distribution that z = x / inf gives."""
+    return tl.maximum(1.4426950408889634 / t, 1e-30)
+
+
+@triton.jit
 def _chunk_stats_tl(row_ptr, start, end, vocab, t, hist_ptr, submax_ptr, filtered,
                     BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, NUM_BINS: tl.constexpr,
                     BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr, SUB_BLOCK: tl.constexpr):
     """One chunk [start, end) of a logit row: (max x, sum of exp((x - max x) / t), argmax, the max's bin), and with
     `filtered` the chunk's histogram (`_histogram_tl`: of its groups' maxima, bins of width 1 / BIN_SCALE below the
     max's, the last bin holding the rest) stored at hist_ptr [NUM_BINS] int32."""
-    scale = 1.4426950408889634 / t  # exp(d / t) = exp2(d * scale)
+    scale = _exp2_scale_tl(t)
     best_x = tl.full([BLOCK_V], float("-inf"), tl.float32)
     best_i = tl.full([BLOCK_V], 0, tl.int32) + vocab
     lane_sum = tl.zeros([BLOCK_V], tl.float32)
@@ -300,7 +308,7 @@ def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, submax_ptr, f
     the sum from the block in registers, and with `filtered` the histogram from the same registers. The pass is
     issue-bound, so each row computes only what its mode reads: a random row the max and the sum (argmax 0), a
     greedy row the max and the argmax (sum 1)."""
-    scale = 1.4426950408889634 / t  # exp(d / t) = exp2(d * scale)
+    scale = _exp2_scale_tl(t)
     v = start + tl.arange(0, BLOCK_V)
     in_chunk = v < end
     x = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf")).to(tl.float32)
@@ -461,7 +469,7 @@ def _stats_kernel(
         argmaxes = tl.load(base + 2, mask=in_row, other=0, cache_modifier=".cg")
         top = tl.max(tops, axis=0)
         argmax = tl.minimum(tl.min(tl.where(in_row & (tops == top), argmaxes, vocab), axis=0), vocab - 1)
-        scale = 1.4426950408889634 / t
+        scale = _exp2_scale_tl(t)
         mass = tl.sum(tl.where(tops > float("-inf"), totals * tl.exp2((tops - top) * scale), 0.0), axis=0)
         m = top / t  # max(x / t) = max(x) / t: the division rounds monotonically
         tau = tl.full([], -2139095041, tl.int32)  # the order key of -inf: every non-NaN entry is at or above
@@ -587,7 +595,9 @@ def _gather_sub_blocks_tl(row_ptr, submax_ptr, subs_ptr, start, end, x_floor, se
     for s0 in range(first, last, GATHER_BLOCK):
         sub = s0 + tl.arange(0, GATHER_BLOCK)
         # Past the span: NaN, which reaches no floor.
-        reaches = (tl.load(submax_ptr + sub, mask=sub < last, other=float("nan")) >= x_floor).to(tl.int32)
+        # .cg: other programs of the row may have stored these (the fused filter), as for the partials.
+        maxima = tl.load(submax_ptr + sub, mask=sub < last, other=float("nan"), cache_modifier=".cg")
+        reaches = (maxima >= x_floor).to(tl.int32)
         tl.store(subs_ptr + first + listed + tl.cumsum(reaches, axis=0) - reaches, sub, mask=reaches > 0)
         listed += tl.sum(reaches, axis=0)
     tl.debug_barrier()  # the list is stored before any thread reads it
@@ -1241,6 +1251,9 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     # The filter pass reads only the sub-blocks whose maximum reaches its floor (0: every entry). A sub-block lies
     # in one statistics block and one gather step.
     sub_block = min(geometry["sub_block"], block_v, gather_block) if filters else 0
+    if sub_block & (sub_block - 1):
+        raise ValueError(f"LOGITS_SAMPLING['sub_block'] (specdec_ops/kernels/geometry.py) must be 0 or a power of 2, "
+                         f"got {geometry['sub_block']}")
     sub_shape = (rows, num_chunks * chunk_len // sub_block) if sub_block else (1,)
     submax = torch.empty(sub_shape, dtype=torch.float32, device=device)
     subs = torch.empty(sub_shape, dtype=torch.int32, device=device)
