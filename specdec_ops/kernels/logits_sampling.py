@@ -1254,9 +1254,11 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     if sub_block & (sub_block - 1):
         raise ValueError(f"LOGITS_SAMPLING['sub_block'] (specdec_ops/kernels/geometry.py) must be 0 or a power of 2, "
                          f"got {geometry['sub_block']}")
-    sub_shape = (rows, num_chunks * chunk_len // sub_block) if sub_block else (1,)
-    submax = torch.empty(sub_shape, dtype=torch.float32, device=device)
-    subs = torch.empty(sub_shape, dtype=torch.int32, device=device)
+    if sub_block:
+        submax = torch.empty((rows, num_chunks * chunk_len // sub_block), dtype=torch.float32, device=device)
+        subs = torch.empty_like(submax, dtype=torch.int32)
+    else:  # never read: stand-ins of the pointers' types, no allocation
+        submax, subs = kept_mass, counts
     # The interpreter's cap is small (_gather_cap); a quarter of it keeps both sorts in the CPU tests.
     search = dict(SEARCH_BLOCK=min(geometry["search_block"], block_v), NUM_PROBES=geometry["num_probes"], CAP=cap,
                   SMALL_CAP=max(1, min(cap, geometry["small_cap"] if device.type == "cuda" else cap // 4)),
