@@ -6,8 +6,8 @@ Triton's real compiler (TTIR, TTGIR, LLVM IR, PTX, cubin) without a GPU: catches
     PYTHONPATH=. python scripts/compile_logits_sampling.py --gather-loop   # the filter pass's loop, both scans
     PYTHONPATH=. python scripts/compile_logits_sampling.py --registers     # the row passes under register limits
 
---gather-loop compiles `_filter_kernel` as bench_logits_sampling.py launches it (V = 32000, draft probabilities),
-for gather_run 8 and 1, disassembles it with the cuobjdump that Triton's package carries, and prints the size of the
+--gather-loop compiles `_filter_kernel` as bench_logits_sampling.py launches it (V = 32000, draft probabilities)
+but reading every entry (sub_block 0), for gather_run 8 and 1, disassembles it with the cuobjdump that Triton's package carries, and prints the size of the
 gather's loop (the loop that both loads the row and stores candidates): SASS instructions per 1024-entry block and
 thread, barriers, shuffles: where the pass is bound by instruction issue, the count predicts its time (a
 device call confirms). It also prints the two loops of the gather from sub-block maxima (geometry sub_block): the
@@ -94,7 +94,7 @@ def stats_pass_constexprs(has_draft_logits, fused, chunk_is_block, filters) -> d
             "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters}
 
 
-# The sub-block size the compile check and --gather-loop use while the geometry's sub_block is 0 (off).
+# The sub-block size the compile check and --gather-loop use if the geometry's sub_block is 0 (off).
 SUB_BLOCK = 32
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -127,7 +127,8 @@ def gather_loop() -> int:
     """Prints the SASS size of the filter pass's gather loop for gather_run 8 and 1, and of the loops of its gather
     from sub-block maxima (see the module docstring)."""
     for gather_run in (8, 1):
-        constexprs = {"HAS_DRAFT_LOGITS": False, **row_pass_constexprs(gather_run)}
+        # The gather that reads every entry (sub_block 0), whatever the geometry's default.
+        constexprs = {"HAS_DRAFT_LOGITS": False, **row_pass_constexprs(gather_run), "SUB_BLOCK": 0}
         binaries = []
         if not compile_variant(kernels._filter_kernel, constexprs, f"_filter_kernel(gather_run={gather_run})",
                                aligned=ALIGNED, binaries=binaries):
@@ -204,8 +205,9 @@ def main() -> int:
     for has_draft_logits in (False, True):
         ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass},
                               f"_filter_kernel(draft_logits={has_draft_logits})")
-    # The filter pass from sub-block maxima (geometry sub_block; SUB_BLOCK while it is off): the passes it changes.
-    sub = {"SUB_BLOCK": GEOMETRY["sub_block"] or SUB_BLOCK}
+    # The filter pass's other form, in the passes it changes: reading every entry when the geometry reads sub-blocks
+    # (sub_block > 0, the default), else from SUB_BLOCK-entry sub-blocks.
+    sub = {"SUB_BLOCK": 0 if GEOMETRY["sub_block"] else SUB_BLOCK}
     for has_draft_logits, fused in ((False, False), (True, True)):
         ok &= compile_variant(kernels._stats_kernel,
                               {**stats_pass_constexprs(has_draft_logits, fused, True, True), **sub},

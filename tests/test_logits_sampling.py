@@ -13,6 +13,13 @@ from specdec_ops.kernels import logits_sampling as kernels
 from specdec_ops.ops import logits_sampling as contract
 from specdec_ops._triton import HAS_TRITON
 
+if HAS_TRITON:
+    # At module level: the compiler looks up a nested kernel's names in the module's globals and the kernel's
+    # closure, and a kernel that names tl only in its annotations has no closure for it (the interpreter does not
+    # compile, so only CUDA runs failed).
+    import triton
+    import triton.language as tl
+
 from conftest import HAS_CUDA, sync_forbidden
 
 NEG_INF = float("-inf")
@@ -544,9 +551,6 @@ def test_triton_gather_stores_candidates_in_order(gather_run):
     """The filter pass's gather (`_gather_span_tl`, both scan forms): the logits x >= x_floor of [start, end), in
     order, at the segment's start, and their count, those past CAP counted but not stored; NaN logits and the
     padding past `end` are never candidates, even under a floor of -inf."""
-    import triton
-    import triton.language as tl
-
     @triton.jit
     def gather_kernel(row_ptr, start, end, floor_ptr, segment_ptr, count_ptr, CAP: tl.constexpr,
                       GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr):
@@ -578,9 +582,6 @@ def test_triton_finish_checks_the_floor():
     above z_floor = x_floor / t, where the candidates hold every entry (an entry just below x_floor may share the
     cut-off's z), unless x_floor is -inf; and only when the candidates reach the kept set (top_k of them, or top_p
     of the mass). Else the row takes the full search."""
-    import triton
-    import triton.language as tl
-
     @triton.jit
     def finish_kernel(x_ptr, count_ptr, floor_ptr, t_ptr, top_k_ptr, top_p_ptr, rest_ptr, tau_ptr, enough_ptr):
         i = tl.program_id(0)
@@ -767,9 +768,6 @@ def test_triton_gather_from_sub_blocks_stores_candidates_in_order():
     as the plain gather, while reading only the sub-blocks whose maximum reaches the floor: a sub-block whose
     maximum is poisoned below the floor is skipped (its entries never become candidates), which shows the gather
     trusts the maxima rather than reading everything."""
-    import triton
-    import triton.language as tl
-
     @triton.jit
     def gather_kernel(row_ptr, submax_ptr, subs_ptr, num_subs, start, end, floor_ptr, segment_ptr, count_ptr,
                       CAP: tl.constexpr, GATHER_BLOCK: tl.constexpr, SUB_BLOCK: tl.constexpr):
@@ -813,9 +811,6 @@ def test_triton_gather_from_sub_blocks_stores_candidates_in_order():
 def test_triton_statistics_store_sub_block_maxima(one_block):
     """A filtered chunk's statistics store the maximum of each SUB_BLOCK entries (NaN ignored, -inf past the row's
     end), the bound the filter pass trusts to skip a sub-block: a chunk read as one block, and one read in two."""
-    import triton
-    import triton.language as tl
-
     @triton.jit
     def stats_kernel(row_ptr, start, end, vocab, hist_ptr, submax_ptr, ONE_BLOCK: tl.constexpr,
                      BLOCK_V: tl.constexpr, SUB_BLOCK: tl.constexpr):
