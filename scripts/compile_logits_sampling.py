@@ -7,11 +7,11 @@ Triton's real compiler (TTIR, TTGIR, LLVM IR, PTX, cubin) without a GPU: catches
     PYTHONPATH=. python scripts/compile_logits_sampling.py --registers     # the row passes under register limits
 
 --gather-loop compiles `_filter_kernel` as bench_logits_sampling.py launches it (V = 32000, draft probabilities)
-but reading every entry (sub_block 0), for gather_run 8 and 1, disassembles it with the cuobjdump that Triton's package carries, and prints the size of the
-gather's loop (the loop that both loads the row and stores candidates): SASS instructions per 1024-entry block and
-thread, barriers, shuffles: where the pass is bound by instruction issue, the count predicts its time (a
-device call confirms). It also prints the two loops of the gather from sub-block maxima (geometry sub_block): the
-listing of the sub-blocks that reach the floor, and the gather over them.
+but reading every entry (sub_block 0), for gather_run 8 and 1, disassembles it with the cuobjdump that Triton's
+package carries, and prints the size of the gather's loop (the loop that both loads the row and stores candidates):
+SASS instructions per 1024-entry block and thread, barriers, shuffles: where the pass is bound by instruction
+issue, the count predicts its time (a device call confirms). It also prints the two loops of the gather from
+sub-block maxima (geometry sub_block): the listing of the sub-blocks that reach the floor, and the gather over them.
 
 --registers compiles the statistics and filter passes as the benchmark launches them under register limits (ptx
 .maxnreg: none, 80, 64) and prints per pass the registers per thread, the programs of its warps that fit an SM's
