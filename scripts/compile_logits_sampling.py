@@ -75,9 +75,14 @@ def compile_variant(fn, constexprs, name, pointers=None, aligned=(), binaries=No
     return True
 
 
+# The statistics chunks of a row of V = 32000, rounded up to a power of 2 (the row passes' BLOCK_C).
+BLOCK_C = triton.next_power_of_2(triton.cdiv(32000, GEOMETRY["stats_chunk"]))
+
+
 def row_pass_constexprs(gather_run) -> dict:
-    """The constexprs the statistics and filter passes share, as the GPU launches them (16 chunks of a 32000 row)."""
-    return {"BLOCK_V": GEOMETRY["stats_block_v"], "NUM_STAGES": GEOMETRY["stats_num_stages"], "BLOCK_C": 16,
+    """The constexprs the statistics and filter passes share, as the GPU launches them (rows of V = 32000)."""
+    return {"BLOCK_V": GEOMETRY["stats_block_v"], "NUM_STAGES": GEOMETRY["stats_num_stages"],
+            "BLOCK_C": BLOCK_C,
             "SEARCH_BLOCK": GEOMETRY["search_block"], "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"],
             "SMALL_CAP": GEOMETRY["small_cap"], "GATHER_BLOCK": GEOMETRY["gather_block"], "GATHER_RUN": gather_run,
             "SUB_BLOCK": GEOMETRY["sub_block"]}
@@ -233,7 +238,7 @@ def main() -> int:
             ok &= compile_variant(kernels._block_residual_kernel,
                                   {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits,
                                    "CHUNK_IS_BLOCK": chunk_is_block, "BLOCK_K": 8, "BLOCK_V": GEOMETRY["stats_block_v"],
-                                   "BLOCK_C": 16, "NUM_STAGES": GEOMETRY["num_stages"]},
+                                   "BLOCK_C": BLOCK_C, "NUM_STAGES": GEOMETRY["num_stages"]},
                                   f"_block_residual_kernel(draft_probs={probs}, draft_logits={logits}, "
                                   f"chunk_is_block={chunk_is_block})",
                                   {"target_ptr": "*fp32"})

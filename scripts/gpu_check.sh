@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for the H200 (run through the device tool from the repo root):
-#   [TESTS_LIMIT=seconds] bash scripts/gpu_check.sh [tests|bench|all]
+#   [TESTS_LIMIT=seconds] [TESTS="tests --ignore=tests/test_x.py"] bash scripts/gpu_check.sh [tests|bench|all]
 # Builds the extension, runs the whole test suite on CUDA (GPU tests included)
 # and the benchmarks, and prints a short summary. Logs go to $OUT when set.
 set -uo pipefail
@@ -32,12 +32,15 @@ summary=()
 if [[ $stage == tests || $stage == all ]]; then
   # -p no:cacheprovider: the tree may be read-only for caches; xdist spreads the CPU-heavy tests. -v logs each
   # result with its name as it comes; TESTS_LIMIT (seconds, 0: none) stops pytest early enough for the lines below
-  # to name the failures so far when the device call's own limit is near.
-  timeout "${TESTS_LIMIT:-0}" python3 -m pytest -v -p no:cacheprovider -n 8 --tb=line -rfE tests >"$out/tests.log" 2>&1
+  # to name the failures so far when the device call's own limit is near. TESTS (default: tests) names the paths
+  # and options pytest gets: the whole suite takes longer on the GPU machine than one device call may run.
+  # shellcheck disable=SC2086  # TESTS is split into pytest's arguments on purpose
+  timeout "${TESTS_LIMIT:-0}" python3 -m pytest -v -p no:cacheprovider -n 8 --tb=line -rfE ${TESTS:-tests} \
+      >"$out/tests.log" 2>&1
   rc=$?
   grep -E "^\[gw[0-9]+\] .* (FAILED|ERROR) " "$out/tests.log" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | head -40
   tail -5 "$out/tests.log"
-  summary+=("tests (all, CUDA included): rc=$rc, $(tail -1 "$out/tests.log")")
+  summary+=("tests (${TESTS:-tests}, CUDA included): rc=$rc, $(tail -1 "$out/tests.log")")
 fi
 if [[ $stage == bench || $stage == all ]]; then
   # Every benchmark this tree has (bench_model.py and bench_generate.py come with the models and generator work).

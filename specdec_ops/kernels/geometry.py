@@ -50,9 +50,14 @@ LOGITS_SAMPLING = dict(
     # (8 programs per SM, 4096 entries) measured slower on the H200 (B = 64: 12.7 us against 12.3).
     max_chunk=8192,
     programs_per_sm=2,
-    # The statistics and filter passes: chunks of a fixed length (batch-invariant sums); 16 chunks of a 32000 row.
-    stats_chunk=2048,
-    stats_block_v=2048,  # = stats_chunk: a chunk is one load, and the loop over a program's chunks is pipelined
+    # The statistics and filter passes (and block verification's residual pass): chunks of a fixed length
+    # (batch-invariant sums); 8 chunks of a 32000 row. Against 2048 on an H100, bf16, V = 32000: top-k + top-p
+    # 102.9 against 113.7 us at B = 256 with draft probabilities (176.2 against 183.9 with draft logits), 1 to 2 %
+    # faster at B = 64 and 1; filters None 2.6 % slower at B = 64 with draft probabilities (21.19 against 20.65 us),
+    # the same with draft logits. A chunk's block reductions and histogram cost the same for twice the entries;
+    # the pass takes 127 to 128 registers per thread (72 to 92 at 2048; RESULTS.md).
+    stats_chunk=4096,
+    stats_block_v=4096,  # = stats_chunk: a chunk is one load, and the loop over a program's chunks is pipelined
     stats_num_warps=4,
     # The statistics and filter passes' software pipelining (loads in flight through shared memory). On the H200,
     # filtered, B = 64: 1 took 42.1 against 42.6 us with draft probabilities but 71.9 against 65.0 with draft logits.
@@ -80,11 +85,10 @@ LOGITS_SAMPLING = dict(
     # within 3.4 % and doubles the maxima's memory (RESULTS.md).
     sub_block=32,
     # Register limits (ptx .maxnreg) of the statistics pass and of the filter pass (the statistics pass too where it
-    # runs the filter fused); 0: the compiler's choice. On sm_90 triton 3.6 (the device image's) gives them 95 and 96
-    # registers per thread (112 fused), which lets 5 programs of 4 warps share an SM; at 64, 8 fit, the statistics
-    # pass keeps everything in registers and the filter pass spills only outside its loops over the row. Triton 3.9
-    # chooses 72 and 64 itself (`scripts/compile_logits_sampling.py --registers`). Not yet timed on a GPU (a run
-    # of 64 printed nothing within its limit).
+    # runs the filter fused); 0: the compiler's choice. With 4096-entry chunks, on sm_90 triton 3.6 (the device
+    # image's) gives them 127 and 95 registers per thread (128 fused): 4 and 5 programs of 4 warps per SM; at 64 the
+    # statistics pass spills inside its loops over the row (`scripts/compile_logits_sampling.py --registers`). With
+    # 2048-entry chunks (92 registers) a limit of 64 timed 1 % faster at B = 64 on an H100 (RESULTS.md).
     stats_maxnreg=0,
     filter_maxnreg=0,
     search_block=256,
