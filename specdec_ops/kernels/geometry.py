@@ -52,10 +52,10 @@ LOGITS_SAMPLING = dict(
     programs_per_sm=2,
     # The statistics and filter passes (and block verification's residual pass): chunks of a fixed length
     # (batch-invariant sums); 8 chunks of a 32000 row. Against 2048 on an H100, bf16, V = 32000: top-k + top-p
-    # 102.9 against 113.7 us at B = 256 with draft probabilities (176.2 against 183.9 with draft logits), 1 to 2 %
-    # faster at B = 64 and 1; filters None 2.6 % slower at B = 64 with draft probabilities (21.19 against 20.65 us),
-    # the same with draft logits. A chunk's block reductions and histogram cost the same for twice the entries;
-    # the pass takes 127 to 128 registers per thread (72 to 92 at 2048; RESULTS.md).
+    # 102.9 against 113.7 us at B = 256 with draft probabilities (176.2 against 183.9 with draft logits), 1 to 5 %
+    # faster at B = 64 and 1; filters None 2.6 % and 1.7 % slower at B = 64 and 1 with draft probabilities (21.19
+    # against 20.65 us at 64), the same or faster with draft logits. A chunk's block reductions and histogram cost
+    # the same for twice the entries; the pass takes 127 to 128 registers per thread (72 to 92 at 2048; RESULTS.md).
     stats_chunk=4096,
     stats_block_v=4096,  # = stats_chunk: a chunk is one load, and the loop over a program's chunks is pipelined
     stats_num_warps=4,
