@@ -81,8 +81,7 @@ BLOCK_C = triton.next_power_of_2(triton.cdiv(32000, GEOMETRY["stats_chunk"]))
 
 def row_pass_constexprs(gather_run) -> dict:
     """The constexprs the statistics and filter passes share, as the GPU launches them (rows of V = 32000)."""
-    return {"BLOCK_V": GEOMETRY["stats_block_v"], "NUM_STAGES": GEOMETRY["stats_num_stages"],
-            "BLOCK_C": BLOCK_C,
+    return {"BLOCK_V": GEOMETRY["stats_block_v"], "NUM_STAGES": GEOMETRY["stats_num_stages"], "BLOCK_C": BLOCK_C,
             "SEARCH_BLOCK": GEOMETRY["search_block"], "NUM_PROBES": GEOMETRY["num_probes"], "CAP": GEOMETRY["cap"],
             "SMALL_CAP": GEOMETRY["small_cap"], "GATHER_BLOCK": GEOMETRY["gather_block"], "GATHER_RUN": gather_run,
             "SUB_BLOCK": GEOMETRY["sub_block"]}
