@@ -54,9 +54,14 @@ def backend(request):
 
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu_check.sh on the H200)")
+    # Triton launches on CPU tensors only in the interpreter, which is off where CUDA is: the cuda tests run those
+    # kernels on the GPU there.
+    skip_interpreter = pytest.mark.skip(reason="runs a Triton kernel on CPU tensors: needs TRITON_INTERPRET=1")
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
+        if "interpreter" in item.keywords and os.environ.get("TRITON_INTERPRET") != "1":
+            item.add_marker(skip_interpreter)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,6 @@
 """
 import dataclasses
 import json
-import os
 
 import pytest
 import torch
@@ -253,12 +252,10 @@ def test_paged_verify_after_rejections_overwrites_kv_and_matches_transformers(hf
     assert overwritten >= 3
 
 
+@pytest.mark.interpreter
 def test_paged_path_through_triton_kernel_matches_transformers(hf_checkpoint, monkeypatch):
     # The model's paged path with the Triton kernel (the interpreter) in place of the reference, on CPU tensors.
     from specdec_ops.models import attention
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("runs the Triton kernel on CPU tensors: needs the interpreter (CUDA: the cuda tests)")
 
     _, path, hf = hf_checkpoint
     model = load_model(path, dtype=torch.float32)

@@ -53,6 +53,7 @@ def norm_inputs(tokens, hidden, dtype, seed=0):
     return x, residual, weight
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 17, 130])
 @pytest.mark.parametrize("hidden", [100, 257])
@@ -61,6 +62,7 @@ def test_rms_norm_matches_reference(dtype, tokens, hidden):
     assert_matches(rms_norm_triton(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 17, 130])
 @pytest.mark.parametrize("hidden", [100, 257])
@@ -83,6 +85,7 @@ def test_rms_norm_reference_is_the_models_norm():
     assert torch.equal(summed, x + residual) and torch.equal(normed, norm(x + residual))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 17, 130])
 @pytest.mark.parametrize("intermediate", [80, 1500])  # 1500: two column blocks, the second masked
@@ -92,6 +95,7 @@ def test_silu_mul_matches_reference(dtype, tokens, intermediate):
     assert_matches(silu_mul_triton(gate_up), silu_mul_reference(gate_up))
 
 
+@pytest.mark.interpreter
 def test_kernels_take_strided_rows_and_no_rows():
     x, residual, weight = norm_inputs(6, 40, torch.float32)
     wide = torch.zeros(6, 100)
@@ -253,6 +257,7 @@ def test_prefill_path_traces_fullgraph(monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
+@pytest.mark.interpreter
 def test_prefill_path_through_triton_kernels_matches_plain_float32(monkeypatch):
     model, ids, positions, metadata = model_and_batch(torch.float32, seed=5)
     caches = metadata.kv_caches

@@ -27,6 +27,7 @@ def rope_inputs(tokens, heads, kv_heads, d, slots, dtype, seed=0):
     return qkv, angles.cos(), angles.sin(), cache, slot_mapping
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.float16, 0.0)])
 # More than attention.ROPE_ONE_HEAD_TOKENS tokens take several heads per program: (20, 6, 2, 10) has 10 heads, so
 # its second program per token holds 2 heads and 6 masked ones.
@@ -42,6 +43,7 @@ def test_rope_write_kv_matches_reference(dtype, atol, tokens, heads, kv_heads, d
     torch.testing.assert_close(cache, want_cache, atol=atol, rtol=0)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("tokens", [4, 20])  # one head per program, several heads per program
 def test_rope_write_kv_skips_slots_outside_the_cache(tokens):
     qkv, cos, sin, cache, _ = rope_inputs(tokens, 4, 2, 16, 8, torch.float32, seed=1)
@@ -56,6 +58,7 @@ def test_rope_write_kv_skips_slots_outside_the_cache(tokens):
                                                           4, 2))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("tokens,heads,kv_heads,d", [(3, 8, 2, 64), (20, 6, 2, 10), (5, 2, 1, 14), (33, 4, 1, 8)])
 def test_rope_write_kv_head_blocks_equal_single_heads(monkeypatch, tokens, heads, kv_heads, d):
     # Several heads per program compute what one head per program does, bit for bit, whatever the token count:
@@ -120,6 +123,7 @@ def force_fused_layers(monkeypatch) -> list:
     return fused_calls
 
 
+@pytest.mark.interpreter
 def test_fused_layers_match_unfused_float32_cpu(monkeypatch):
     # A float32 model with q/k/v bias; the fused path with its kernels in the interpreter.
     config = LlamaConfig(vocab_size=300, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -140,6 +144,7 @@ def test_fused_layers_match_unfused_float32_cpu(monkeypatch):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
+@pytest.mark.interpreter
 def test_fused_layers_with_dense_attention_match_unfused_float32_cpu(monkeypatch):
     """No paged cache (attn_metadata None: dense causal attention over one sequence): the fused projections with
     the plain rotary, as a short prompt of a half-precision CUDA model runs them."""

@@ -20,6 +20,7 @@ def inputs(rows, n, k, dtype=torch.float32, seed=0, device="cpu"):
     return x.to(device, dtype), w.to(device, dtype)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rows,n,k", [
     (1, 40, 2048),    # one row, K a multiple of the tile, N not a multiple of the column block
     (1, 7, 300),      # one row, K not a multiple of the tile (masked tail), fewer columns than a block
@@ -34,6 +35,7 @@ def test_matches_f_linear_float32(rows, n, k):
     torch.testing.assert_close(got, x @ w.T, atol=1e-5, rtol=0)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("rows", [1, 4])
 def test_half_precision_rounds_once(rows):
     x, w = inputs(rows, 24, 640, dtype=torch.float16, seed=1)
@@ -42,6 +44,7 @@ def test_half_precision_rounds_once(rows):
     torch.testing.assert_close(got.float(), x.float() @ w.float().T, atol=2e-3, rtol=0)
 
 
+@pytest.mark.interpreter
 def test_strided_inputs_and_empty_shapes():
     x, w = inputs(2, 24, 96, seed=2)
     # A transposed weight view and a row slice (copied to unit stride along K first).
@@ -138,6 +141,7 @@ def fusion_args(name):
                 residual_on=f.get("residual", False))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", sorted(FUSIONS))
 @pytest.mark.parametrize("rows,n,k", [(1, 40, 2048), (1, 7, 300), (5, 70, 512), (16, 33, 200)])
 def test_fused_matches_unfused_math_float32(name, rows, n, k):
@@ -154,6 +158,7 @@ def test_fused_matches_unfused_math_float32(name, rows, n, k):
                           residual if args["residual_on"] else None, args["gated"]), want)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", sorted(FUSIONS))
 def test_fused_half_precision_rounds_like_the_model(name):
     # float16 (the interpreter's tl.dot mishandles bfloat16; the CUDA test covers it): the kernel rounds where the
