@@ -2,14 +2,15 @@
 attention.py's rope_write_kv) against the unfused math.
 
 CPU (Triton interpreter): rope_write_kv against its reference (float32 to 1e-6, float16 exactly: the same
-float32 products rounded once), slots outside the cache skipped; a float32 model whose decoder layers take the
-fused path (kernels through the interpreter) against the same model's unfused path, to 1e-5. CUDA (bf16): the
-compiled, graph-captured fused decode and verify steps against the unfused bf16 path and a float32 copy.
+float32 products rounded once); a float32 model whose decoder layers take the fused path (kernels through the
+interpreter) against the same model's unfused path, to 1e-5. Both: rope_write_kv skips slots outside the cache
+(on the GPU with CUDA). CUDA (bf16): the compiled, graph-captured fused decode and verify steps against the unfused
+bf16 path and a float32 copy.
 """
 import pytest
 import torch
 
-from conftest import sync_forbidden
+from conftest import HAS_CUDA, sync_forbidden
 from harness import capture_graph
 from specdec_ops.models import AttentionMetadata, LlamaConfig, LlamaModel
 from specdec_ops.models import attention as attention_mod
@@ -43,16 +44,20 @@ def test_rope_write_kv_matches_reference(dtype, atol, tokens, heads, kv_heads, d
     torch.testing.assert_close(cache, want_cache, atol=atol, rtol=0)
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("tokens", [4, 20])  # one head per program, several heads per program
 def test_rope_write_kv_skips_slots_outside_the_cache(tokens):
+    # Where the kernel runs: on the GPU with CUDA, else in the interpreter. The rotation's products may contract
+    # into FMAs on the GPU, hence its looser tolerance (values of a few units: about 4 float32 ulps).
+    device, atol = ("cuda", 4e-6) if HAS_CUDA else ("cpu", 1e-6)
     qkv, cos, sin, cache, _ = rope_inputs(tokens, 4, 2, 16, 8, torch.float32, seed=1)
     slots = torch.tensor([3, -1, 8, 10 ** 9] + [-5] * (tokens - 4))
     before = cache.clone()
     want_cache = cache.clone()
     rope_write_kv_reference(qkv[:1], cos[:1], sin[:1], want_cache, slots[:1], 4, 2)
-    q = rope_write_kv_triton(qkv, cos, sin, cache, slots, 4, 2)
-    torch.testing.assert_close(cache, want_cache, atol=1e-6, rtol=0)
+    on_device = [t.to(device) for t in (qkv, cos, sin, cache, slots)]
+    q = rope_write_kv_triton(*on_device, 4, 2).cpu()
+    cache = on_device[3].cpu()
+    torch.testing.assert_close(cache, want_cache, atol=atol, rtol=0)
     assert torch.equal(cache[torch.arange(8) != 3], before[torch.arange(8) != 3])
     torch.testing.assert_close(q, rope_write_kv_reference(qkv, cos, sin, before.clone(), torch.zeros(tokens).long(),
                                                           4, 2))
