@@ -43,6 +43,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import pytest  # noqa: E402
 
 import specdec_ops  # noqa: E402,F401
+from specdec_ops._triton import HAS_TRITON  # noqa: E402
 from harness import BACKENDS, Backend  # noqa: E402
 
 
@@ -56,11 +57,13 @@ def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu_check.sh on the H200)")
     # Triton launches on CPU tensors only in the interpreter, which is off where CUDA is: the cuda tests run those
     # kernels on the GPU there.
-    skip_interpreter = pytest.mark.skip(reason="runs a Triton kernel on CPU tensors: needs TRITON_INTERPRET=1")
+    skip_interpreter = pytest.mark.skip(reason="runs a Triton kernel on CPU tensors: needs triton and "
+                                               "TRITON_INTERPRET=1")
+    interpreting = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
-        if "interpreter" in item.keywords and os.environ.get("TRITON_INTERPRET") != "1":
+        if "interpreter" in item.keywords and not interpreting:
             item.add_marker(skip_interpreter)
 
 

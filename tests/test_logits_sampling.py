@@ -503,7 +503,7 @@ class _NoLaunch:
         return lambda *args, **kwargs: None
 
 
-@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA, reason="needs the Triton interpreter")
+@pytest.mark.interpreter
 def test_triton_outlier_maximum_keeps_a_tight_candidate_bound(monkeypatch):
     """The statistics pass's candidate bound for top-k on rows with an outlier maximum: anchored on the chunks' own
     top bins, it lies at or below the top_k-th largest entry (so the gather holds the kept set) and leaves few
@@ -1102,7 +1102,7 @@ def scratch_is_zeroed():
     return bool(scratch._scratch) and all(int(buf.count_nonzero()) == 0 for buf in scratch._scratch.values())
 
 
-@pytest.mark.skipif(not HAS_TRITON or HAS_CUDA, reason="needs the Triton interpreter")
+@pytest.mark.interpreter
 def test_triton_split_vocab_in_reversed_program_order(monkeypatch):
     """On a GPU any program of a row may draw its last ticket; the interpreter runs them in grid order, so the last
     one is always the row's last chunk. Here every launch runs its programs in reverse (rows and chunks), so chunk 0
