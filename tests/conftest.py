@@ -47,6 +47,17 @@ from specdec_ops._triton import HAS_TRITON  # noqa: E402
 from harness import BACKENDS, Backend  # noqa: E402
 
 
+@pytest.fixture
+def kernel_device():
+    """Where a test's Triton kernels run on its own tensors: the GPU where CUDA is, else the CPU through the
+    interpreter (the test is skipped without triton or with TRITON_INTERPRET unset)."""
+    if HAS_CUDA:
+        return torch.device("cuda")
+    if not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("runs Triton kernels: needs CUDA, or triton with TRITON_INTERPRET=1")
+    return torch.device("cpu")
+
+
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """The kernel under test: "cpp" (the CPU kernel) or "triton" (the Triton kernel; tests/harness.py)."""

@@ -1,11 +1,12 @@
 """The elementwise kernels of a many-token (prefill) layer, specdec_ops/models/elementwise.py, and the model path
 that uses them.
 
-CPU (Triton interpreter): RMSNorm with and without the residual add and silu(gate) * up against their
-references on odd shapes (hidden sizes not a power of two, 1, 17 and 130 rows). float32 to 1e-6 relative (the
-norm's sum of squares runs in another order; numpy's exp stands in for PyTorch's); float16 within two float16
-ulps (2**-9 relative) with at least 99 % of the entries bit-identical (a sum of squares in another order moves
-1 / rms by about one float32 ulp, which flips a float16 rounding now and then); the residual sum exactly. The ops'
+The kernels where they run (the GPU with CUDA, else the Triton interpreter): RMSNorm with and without the
+residual add and silu(gate) * up against their references on odd shapes (hidden sizes not a power of two, 1, 17
+and 130 rows), strided rows and no rows. float32 to 1e-6 relative (the norm's sum of squares runs in another
+order; the interpreter's exp is numpy's); float16 within two float16 ulps (2**-9 relative) with at least 99 % of
+the entries bit-identical (a sum of squares in another order moves 1 / rms by about one float32 ulp, which flips a
+float16 rounding now and then); the residual sum exactly. The ops'
 schemas and fakes (opcheck), their contiguous outputs, their input errors. A model forward with the prefill
 dispatch forced on: through the ops' CPU paths (the references) bit-identical to the plain path in float32 and
 float16, paged and dense, and traceable fullgraph; through the Triton kernels within 1e-5 in float32 (logits and
@@ -45,29 +46,27 @@ def assert_matches(got, want):
         assert (got != want).float().mean().item() <= 0.01
 
 
-def norm_inputs(tokens, hidden, dtype, seed=0):
+def norm_inputs(tokens, hidden, dtype, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    x = (3 * torch.randn(tokens, hidden, generator=gen)).to(dtype)
-    residual = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    weight = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(dtype)
+    x = (3 * torch.randn(tokens, hidden, generator=gen)).to(device, dtype)
+    residual = torch.randn(tokens, hidden, generator=gen).to(device, dtype)
+    weight = (1 + 0.2 * torch.randn(hidden, generator=gen)).to(device, dtype)
     return x, residual, weight
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 17, 130])
 @pytest.mark.parametrize("hidden", [100, 257])
-def test_rms_norm_matches_reference(dtype, tokens, hidden):
-    x, _, weight = norm_inputs(tokens, hidden, dtype)
+def test_rms_norm_matches_reference(dtype, tokens, hidden, kernel_device):
+    x, _, weight = norm_inputs(tokens, hidden, dtype, device=kernel_device)
     assert_matches(rms_norm_triton(x, weight, 1e-5), rms_norm_reference(x, weight, 1e-5))
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 17, 130])
 @pytest.mark.parametrize("hidden", [100, 257])
-def test_add_rms_norm_matches_reference(dtype, tokens, hidden):
-    x, residual, weight = norm_inputs(tokens, hidden, dtype, seed=1)
+def test_add_rms_norm_matches_reference(dtype, tokens, hidden, kernel_device):
+    x, residual, weight = norm_inputs(tokens, hidden, dtype, seed=1, device=kernel_device)
     normed, summed = add_rms_norm_triton(x, residual, weight, 1e-6)
     want_normed, want_summed = add_rms_norm_reference(x, residual, weight, 1e-6)
     assert torch.equal(summed, want_summed) and summed.is_contiguous()
@@ -85,33 +84,31 @@ def test_rms_norm_reference_is_the_models_norm():
     assert torch.equal(summed, x + residual) and torch.equal(normed, norm(x + residual))
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 17, 130])
 @pytest.mark.parametrize("intermediate", [80, 1500])  # 1500: two column blocks, the second masked
-def test_silu_mul_matches_reference(dtype, tokens, intermediate):
+def test_silu_mul_matches_reference(dtype, tokens, intermediate, kernel_device):
     gen = torch.Generator().manual_seed(tokens + intermediate)
-    gate_up = (4 * torch.randn(tokens, 2 * intermediate, generator=gen)).to(dtype)
+    gate_up = (4 * torch.randn(tokens, 2 * intermediate, generator=gen)).to(kernel_device, dtype)
     assert_matches(silu_mul_triton(gate_up), silu_mul_reference(gate_up))
 
 
-@pytest.mark.interpreter
-def test_kernels_take_strided_rows_and_no_rows():
-    x, residual, weight = norm_inputs(6, 40, torch.float32)
-    wide = torch.zeros(6, 100)
+def test_kernels_take_strided_rows_and_no_rows(kernel_device):
+    x, residual, weight = norm_inputs(6, 40, torch.float32, device=kernel_device)
+    wide = torch.zeros(6, 100, device=kernel_device)
     wide[:, 10:50] = x  # row stride 100
     torch.testing.assert_close(rms_norm_triton(wide[:, 10:50], weight, 1e-5), rms_norm_reference(x, weight, 1e-5),
                                rtol=FLOAT32_RTOL, atol=FLOAT32_RTOL)
-    gate_up = torch.randn(5, 2 * 24)
-    wide = torch.zeros(5, 70)
+    gate_up = torch.randn(5, 2 * 24, generator=torch.Generator().manual_seed(0)).to(kernel_device)
+    wide = torch.zeros(5, 70, device=kernel_device)
     wide[:, 3:51] = gate_up
     torch.testing.assert_close(silu_mul_triton(wide[:, 3:51]), silu_mul_reference(gate_up), rtol=FLOAT32_RTOL,
                                atol=FLOAT32_RTOL)
-    empty = torch.zeros(0, 40)
+    empty = torch.zeros(0, 40, device=kernel_device)
     assert rms_norm_triton(empty, weight, 1e-5).shape == (0, 40)
     normed, summed = add_rms_norm_triton(empty, empty, weight, 1e-5)
     assert normed.shape == summed.shape == (0, 40)
-    assert silu_mul_triton(torch.zeros(0, 8)).shape == (0, 4)
+    assert silu_mul_triton(torch.zeros(0, 8, device=kernel_device)).shape == (0, 4)
 
 
 def test_ops_trace_and_their_fakes_run():

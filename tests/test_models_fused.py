@@ -1,16 +1,17 @@
 """The model's fused kernels for few tokens (specdec_ops/models/linear.py's fused projections and
 attention.py's rope_write_kv) against the unfused math.
 
-CPU (Triton interpreter): rope_write_kv against its reference (float32 to 1e-6, float16 exactly: the same
-float32 products rounded once); a float32 model whose decoder layers take the fused path (kernels through the
-interpreter) against the same model's unfused path, to 1e-5. Both: rope_write_kv skips slots outside the cache
-(on the GPU with CUDA). CUDA (bf16): the compiled, graph-captured fused decode and verify steps against the unfused
-bf16 path and a float32 copy.
+Where the kernel runs (the GPU with CUDA, else the Triton interpreter): rope_write_kv against its reference
+(interpreter: float32 to 1e-6, float16 exactly, the same float32 products rounded once; GPU: float32 to 4e-6 and
+float16 within an ulp, 99 % bit-identical, as FMAs contract the products), several heads per program bit for bit
+as one, and slots outside the cache skipped. Interpreter only: a float32 model whose decoder layers take the fused
+path against the same model's unfused path, to 1e-5. CUDA (bf16): the compiled, graph-captured fused decode and
+verify steps against the unfused bf16 path and a float32 copy.
 """
 import pytest
 import torch
 
-from conftest import HAS_CUDA, sync_forbidden
+from conftest import sync_forbidden
 from harness import capture_graph
 from specdec_ops.models import AttentionMetadata, LlamaConfig, LlamaModel
 from specdec_ops.models import attention as attention_mod
@@ -19,36 +20,44 @@ from specdec_ops.models import llama as llama_mod
 from specdec_ops.models.attention import rope_write_kv_reference, rope_write_kv_triton
 
 
-def rope_inputs(tokens, heads, kv_heads, d, slots, dtype, seed=0):
+def rope_inputs(tokens, heads, kv_heads, d, slots, dtype, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(device, dtype)
     angles = torch.rand(tokens, d // 2, generator=gen) * 50
-    cache = torch.randn(slots, 2, kv_heads, d, generator=gen).to(dtype)
-    slot_mapping = torch.randperm(slots, generator=gen)[:tokens]
-    return qkv, angles.cos(), angles.sin(), cache, slot_mapping
+    cache = torch.randn(slots, 2, kv_heads, d, generator=gen).to(device, dtype)
+    slot_mapping = torch.randperm(slots, generator=gen)[:tokens].to(device)
+    return qkv, angles.cos().to(device), angles.sin().to(device), cache, slot_mapping
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.float16, 0.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 # More than attention.ROPE_ONE_HEAD_TOKENS tokens take several heads per program: (20, 6, 2, 10) has 10 heads, so
 # its second program per token holds 2 heads and 6 masked ones.
 @pytest.mark.parametrize("tokens,heads,kv_heads,d", [(1, 8, 2, 64), (5, 4, 4, 24), (3, 6, 2, 10), (20, 6, 2, 10),
                                                      (17, 32, 8, 64), (33, 4, 1, 8)])
-def test_rope_write_kv_matches_reference(dtype, atol, tokens, heads, kv_heads, d):
-    qkv, cos, sin, cache, slots = rope_inputs(tokens, heads, kv_heads, d, 80, dtype)
+def test_rope_write_kv_matches_reference(dtype, tokens, heads, kv_heads, d, kernel_device):
+    qkv, cos, sin, cache, slots = rope_inputs(tokens, heads, kv_heads, d, 80, dtype, device=kernel_device)
     want_cache = cache.clone()
     want = rope_write_kv_reference(qkv, cos, sin, want_cache, slots, heads, kv_heads)
     got = rope_write_kv_triton(qkv, cos, sin, cache, slots, heads, kv_heads)
     assert got.shape == (tokens, heads, d) and got.dtype == dtype
-    torch.testing.assert_close(got, want, atol=atol, rtol=0)
-    torch.testing.assert_close(cache, want_cache, atol=atol, rtol=0)
+    for got_values, want_values in ((got, want), (cache, want_cache)):
+        if kernel_device.type == "cpu":
+            # The interpreter computes the reference's float32 products: float32 to 1e-6, float16 exactly.
+            torch.testing.assert_close(got_values, want_values, atol=1e-6 if dtype == torch.float32 else 0, rtol=0)
+        elif dtype == torch.float32:
+            torch.testing.assert_close(got_values, want_values, atol=4e-6, rtol=0)  # FMAs: a few float32 ulps
+        else:
+            # An FMA's float32 result flips a float16 rounding now and then: one ulp, rarely.
+            torch.testing.assert_close(got_values, want_values, atol=0, rtol=2.0 ** -10)
+            assert (got_values != want_values).float().mean().item() <= 0.01
 
 
 @pytest.mark.parametrize("tokens", [4, 20])  # one head per program, several heads per program
-def test_rope_write_kv_skips_slots_outside_the_cache(tokens):
-    # Where the kernel runs: on the GPU with CUDA, else in the interpreter. The rotation's products may contract
-    # into FMAs on the GPU, hence its looser tolerance (values of a few units: about 4 float32 ulps).
-    device, atol = ("cuda", 4e-6) if HAS_CUDA else ("cpu", 1e-6)
+def test_rope_write_kv_skips_slots_outside_the_cache(tokens, kernel_device):
+    # The rotation's products may contract into FMAs on the GPU, hence its looser tolerance there (values of a few
+    # units: about 4 float32 ulps).
+    device = kernel_device
+    atol = 4e-6 if device.type == "cuda" else 1e-6
     qkv, cos, sin, cache, _ = rope_inputs(tokens, 4, 2, 16, 8, torch.float32, seed=1)
     slots = torch.tensor([3, -1, 8, 10 ** 9] + [-5] * (tokens - 4))
     before = cache.clone()
@@ -63,15 +72,15 @@ def test_rope_write_kv_skips_slots_outside_the_cache(tokens):
                                                           4, 2))
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("tokens,heads,kv_heads,d", [(3, 8, 2, 64), (20, 6, 2, 10), (5, 2, 1, 14), (33, 4, 1, 8)])
-def test_rope_write_kv_head_blocks_equal_single_heads(monkeypatch, tokens, heads, kv_heads, d):
+def test_rope_write_kv_head_blocks_equal_single_heads(monkeypatch, tokens, heads, kv_heads, d, kernel_device):
     # Several heads per program compute what one head per program does, bit for bit, whatever the token count:
     # (5, 2, 1, 14) has 4 heads in all, a block of 4; (20, 6, 2, 10) a second block of 2 heads and 6 masked ones.
     results = []
     for one_head_tokens in (10 ** 9, 0):
         monkeypatch.setattr(attention_mod, "ROPE_ONE_HEAD_TOKENS", one_head_tokens)
-        qkv, cos, sin, cache, slots = rope_inputs(tokens, heads, kv_heads, d, 80, torch.float16, seed=2)
+        qkv, cos, sin, cache, slots = rope_inputs(tokens, heads, kv_heads, d, 80, torch.float16, seed=2,
+                                                  device=kernel_device)
         slots[::4] = -1  # outside the cache: not written
         results.append((rope_write_kv_triton(qkv, cos, sin, cache, slots, heads, kv_heads), cache))
     (q_one, cache_one), (q_block, cache_block) = results

@@ -1,8 +1,9 @@
 """The models' small-batch projection kernel (specdec_ops/models/linear.py) equals F.linear.
 
-On CPU the kernel runs in the Triton interpreter (float32 exact to 1e-5; float16 within 2e-3 of a float32
-product of the same inputs, outputs O(1)). On CUDA: bf16 at the 1B model's shapes within bf16 rounding of a
-float32 product, through torch.compile(fullgraph=True) and a CUDA graph.
+The kernel where it runs (the GPU with CUDA, else the Triton interpreter): float32 to 1e-5, plain and fused, on
+odd shapes; float16 within 2e-3 of a float32 product of the same inputs (outputs O(1)). In the interpreter only:
+the fused kernel in float16 against the unfused model's roundings. On CUDA: bf16 at the 1B model's shapes within
+bf16 rounding of a float32 product, through torch.compile(fullgraph=True) and a CUDA graph.
 """
 import pytest
 import torch
@@ -20,7 +21,6 @@ def inputs(rows, n, k, dtype=torch.float32, seed=0, device="cpu"):
     return x.to(device, dtype), w.to(device, dtype)
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("rows,n,k", [
     (1, 40, 2048),    # one row, K a multiple of the tile, N not a multiple of the column block
     (1, 7, 300),      # one row, K not a multiple of the tile (masked tail), fewer columns than a block
@@ -28,25 +28,23 @@ def inputs(rows, n, k, dtype=torch.float32, seed=0, device="cpu"):
     (16, 33, 200),    # the most rows the kernel takes, ragged K
     (3, 1, 16),       # one output column
 ])
-def test_matches_f_linear_float32(rows, n, k):
-    x, w = inputs(rows, n, k)
+def test_matches_f_linear_float32(rows, n, k, kernel_device):
+    x, w = inputs(rows, n, k, device=kernel_device)
     got = small_batch_linear_triton(x, w)
     assert got.shape == (rows, n) and got.dtype == torch.float32
     torch.testing.assert_close(got, x @ w.T, atol=1e-5, rtol=0)
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("rows", [1, 4])
-def test_half_precision_rounds_once(rows):
-    x, w = inputs(rows, 24, 640, dtype=torch.float16, seed=1)
+def test_half_precision_rounds_once(rows, kernel_device):
+    x, w = inputs(rows, 24, 640, dtype=torch.float16, seed=1, device=kernel_device)
     got = small_batch_linear_triton(x, w)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), x.float() @ w.float().T, atol=2e-3, rtol=0)
 
 
-@pytest.mark.interpreter
-def test_strided_inputs_and_empty_shapes():
-    x, w = inputs(2, 24, 96, seed=2)
+def test_strided_inputs_and_empty_shapes(kernel_device):
+    x, w = inputs(2, 24, 96, seed=2, device=kernel_device)
     # A transposed weight view and a row slice (copied to unit stride along K first).
     wt = w.T.contiguous().T
     torch.testing.assert_close(small_batch_linear_triton(x[:, :64], wt[:, :64]), x[:, :64] @ w[:, :64].T,
@@ -141,16 +139,17 @@ def fusion_args(name):
                 residual_on=f.get("residual", False))
 
 
-@pytest.mark.interpreter
 @pytest.mark.parametrize("name", sorted(FUSIONS))
 @pytest.mark.parametrize("rows,n,k", [(1, 40, 2048), (1, 7, 300), (5, 70, 512), (16, 33, 200)])
-def test_fused_matches_unfused_math_float32(name, rows, n, k):
+def test_fused_matches_unfused_math_float32(name, rows, n, k, kernel_device):
     args = fusion_args(name)
-    tensors = fused_inputs(rows, n, k, gated=args["gated"])
+    tensors = fused_inputs(rows, n, k, device=kernel_device, gated=args["gated"])
     got = run_fused(small_batch_linear_triton, *tensors, **args)
     want = run_fused(fused_linear_reference, *tensors, **args)
     assert got.shape == want.shape == (rows, n)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if kernel_device.type == "cuda":
+        return
     # The op off CUDA is the reference math itself.
     op = torch.ops.specdec_models.small_batch_linear_fused
     x, w, norm_w, bias, residual = tensors
