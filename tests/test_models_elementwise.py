@@ -1,16 +1,15 @@
 """The elementwise kernels of a many-token (prefill) layer, specdec_ops/models/elementwise.py, and the model path
 that uses them.
 
-The kernels where they run (the GPU with CUDA, else the Triton interpreter): RMSNorm with and without the
-residual add and silu(gate) * up against their references on odd shapes (hidden sizes not a power of two, 1, 17
-and 130 rows), strided rows and no rows. float32 to 1e-6 relative (the norm's sum of squares runs in another
-order; the interpreter's exp is numpy's); float16 within two float16 ulps (2**-9 relative) with at least 99 % of
-the entries bit-identical (a sum of squares in another order moves 1 / rms by about one float32 ulp, which flips a
-float16 rounding now and then); the residual sum exactly. The ops'
-schemas and fakes (opcheck), their contiguous outputs, their input errors. A model forward with the prefill
-dispatch forced on: through the ops' CPU paths (the references) bit-identical to the plain path in float32 and
-float16, paged and dense, and traceable fullgraph; through the Triton kernels within 1e-5 in float32 (logits and
-cache).
+The kernels where they run (the GPU with CUDA, else the Triton interpreter): RMSNorm with and without the residual
+add and silu(gate) * up against their references on odd shapes (hidden sizes not a power of two, 1, 17 and 130 rows),
+strided rows and no rows. float32 to 1e-6 relative (the norm's sum of squares runs in another order; the
+interpreter's exp is numpy's); float16 within two float16 ulps (2**-9 relative) with at least 99 % of the entries
+bit-identical (a sum of squares in another order moves 1 / rms by about one float32 ulp, which flips a float16
+rounding now and then); the residual sum exactly. The ops' schemas and fakes (opcheck), their contiguous outputs,
+their input errors. A model forward with the prefill dispatch forced on: through the ops' CPU paths (the references)
+bit-identical to the plain path in float32 and float16, paged and dense, and traceable fullgraph; through the Triton
+kernels within 1e-5 in float32 (logits and cache).
 CUDA: the kernels against the references in bfloat16 and float16 (two ulps, 99 % bit-identical) and float32, and
 a bf16 ragged prefill through the new path, eager, captured in a CUDA graph and compiled (as the rounds' steps of
 more than 16 tokens run), against the plain bf16 path and a float32 copy.
