@@ -46,6 +46,9 @@ import specdec_ops  # noqa: E402,F401
 from specdec_ops._triton import HAS_TRITON  # noqa: E402
 from harness import BACKENDS, Backend  # noqa: E402
 
+# Triton launches on CPU tensors only in the interpreter, which is off where CUDA is.
+INTERPRETING = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+
 
 @pytest.fixture
 def kernel_device():
@@ -53,7 +56,7 @@ def kernel_device():
     interpreter (the test is skipped without triton or with TRITON_INTERPRET unset)."""
     if HAS_CUDA:
         return torch.device("cuda")
-    if not (HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"):
+    if not INTERPRETING:
         pytest.skip("runs Triton kernels: needs CUDA, or triton with TRITON_INTERPRET=1")
     return torch.device("cpu")
 
@@ -66,15 +69,12 @@ def backend(request):
 
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device (run scripts/gpu_check.sh on the H200)")
-    # Triton launches on CPU tensors only in the interpreter, which is off where CUDA is: the cuda tests run those
-    # kernels on the GPU there.
     skip_interpreter = pytest.mark.skip(reason="runs a Triton kernel on CPU tensors: needs triton and "
                                                "TRITON_INTERPRET=1")
-    interpreting = HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
-        if "interpreter" in item.keywords and not interpreting:
+        if "interpreter" in item.keywords and not INTERPRETING:
             item.add_marker(skip_interpreter)
 
 

@@ -20,6 +20,11 @@ from specdec_ops.models import llama as llama_mod
 from specdec_ops.models.attention import rope_write_kv_reference, rope_write_kv_triton
 
 
+# rope_write_kv's float32 tolerance on the GPU, where the rotation's products may contract into FMAs (values of a
+# few units: about 4 float32 ulps); the interpreter computes the reference's products, to 1e-6.
+ROPE_GPU_FLOAT32_ATOL = 4e-6
+
+
 def rope_inputs(tokens, heads, kv_heads, d, slots, dtype, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(device, dtype)
@@ -45,7 +50,7 @@ def test_rope_write_kv_matches_reference(dtype, tokens, heads, kv_heads, d, kern
             # The interpreter computes the reference's float32 products: float32 to 1e-6, float16 exactly.
             torch.testing.assert_close(got_values, want_values, atol=1e-6 if dtype == torch.float32 else 0, rtol=0)
         elif dtype == torch.float32:
-            torch.testing.assert_close(got_values, want_values, atol=4e-6, rtol=0)  # FMAs: a few float32 ulps
+            torch.testing.assert_close(got_values, want_values, atol=ROPE_GPU_FLOAT32_ATOL, rtol=0)
         else:
             # An FMA's float32 result flips a float16 rounding now and then: one ulp, rarely.
             torch.testing.assert_close(got_values, want_values, atol=0, rtol=2.0 ** -10)
@@ -54,16 +59,13 @@ def test_rope_write_kv_matches_reference(dtype, tokens, heads, kv_heads, d, kern
 
 @pytest.mark.parametrize("tokens", [4, 20])  # one head per program, several heads per program
 def test_rope_write_kv_skips_slots_outside_the_cache(tokens, kernel_device):
-    # The rotation's products may contract into FMAs on the GPU, hence its looser tolerance there (values of a few
-    # units: about 4 float32 ulps).
-    device = kernel_device
-    atol = 4e-6 if device.type == "cuda" else 1e-6
+    atol = ROPE_GPU_FLOAT32_ATOL if kernel_device.type == "cuda" else 1e-6
     qkv, cos, sin, cache, _ = rope_inputs(tokens, 4, 2, 16, 8, torch.float32, seed=1)
     slots = torch.tensor([3, -1, 8, 10 ** 9] + [-5] * (tokens - 4))
     before = cache.clone()
     want_cache = cache.clone()
     rope_write_kv_reference(qkv[:1], cos[:1], sin[:1], want_cache, slots[:1], 4, 2)
-    on_device = [t.to(device) for t in (qkv, cos, sin, cache, slots)]
+    on_device = [t.to(kernel_device) for t in (qkv, cos, sin, cache, slots)]
     q = rope_write_kv_triton(*on_device, 4, 2).cpu()
     cache = on_device[3].cpu()
     torch.testing.assert_close(cache, want_cache, atol=atol, rtol=0)
