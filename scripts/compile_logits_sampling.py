@@ -51,12 +51,11 @@ def compile_variant(fn, constexprs, name, pointers=None, aligned=(), binaries=No
     multiples of 16, as Triton specializes real launches' aligned tensors and sizes. The compiled kernel is appended
     to `binaries` when given. The row passes take the geometry's register limit unless `maxnreg` is given (0: none)."""
     types = {**POINTERS, **(pointers or {})}
-    statistics = (kernels._stats_kernel, kernels._balanced_stats_kernel)
-    row_passes = (*statistics, kernels._filter_kernel)
+    row_passes = (kernels._stats_kernel, kernels._filter_kernel)
     warps = GEOMETRY["stats_num_warps"] if fn in row_passes else GEOMETRY["num_warps"]
     if maxnreg is None and fn in row_passes:  # as _row_statistics launches them: a fused filter takes the filter's
         fused = fn is kernels._stats_kernel and constexprs.get("FUSED_FILTER")
-        maxnreg = GEOMETRY["stats_maxnreg" if fn in statistics and not fused else "filter_maxnreg"]
+        maxnreg = GEOMETRY["stats_maxnreg" if fn is kernels._stats_kernel and not fused else "filter_maxnreg"]
     signature = {arg: "constexpr" if arg in constexprs else types.get(arg, "i32") for arg in fn.arg_names}
     if fn in (kernels._filter_kernel, kernels._block_residual_kernel):
         signature["partial_ptr"] = "*fp32"  # the kept masses of min-p rows; the residual masses
@@ -97,12 +96,6 @@ def stats_pass_constexprs(has_draft_logits, fused, chunk_is_block, filters) -> d
     return {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass_constexprs(GEOMETRY["gather_run"]),
             "CHUNK_IS_BLOCK": chunk_is_block, "NUM_BINS": GEOMETRY["hist_bins"], "BIN_SCALE": GEOMETRY["bin_scale"],
             "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters}
-
-
-def balanced_constexprs(chunk_is_block, block_r) -> dict:
-    """The balanced statistics pass's constexprs, as the GPU launches it (rows of V = 32000)."""
-    return {"CHUNK_IS_BLOCK": chunk_is_block, "BLOCK_V": GEOMETRY["stats_block_v"],
-            "NUM_STAGES": GEOMETRY["stats_num_stages"], "BLOCK_C": BLOCK_C, "BLOCK_R": block_r}
 
 
 # The sub-block size the compile check and --gather-loop use if the geometry's sub_block is 0 (off).
@@ -178,8 +171,6 @@ def registers() -> int:
                STATS_POINTERS),
               (kernels._stats_kernel, stats_pass_constexprs(False, True, True, True), "statistics pass, filter fused",
                STATS_POINTERS),
-              (kernels._balanced_stats_kernel, balanced_constexprs(True, 2), "statistics pass, balanced (no filter)",
-               STATS_POINTERS),
               (kernels._filter_kernel, {"HAS_DRAFT_LOGITS": False, **row_pass_constexprs(GEOMETRY["gather_run"])},
                "filter pass", None)]
     threads = 32 * GEOMETRY["stats_num_warps"]
@@ -215,11 +206,6 @@ def main() -> int:
         ok &= compile_variant(kernels._stats_kernel, constexprs,
                               f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused}, "
                               f"chunk_is_block={chunk_is_block}, filters={filters})", STATS_POINTERS)
-    # The statistics pass with no row filtered, over the balanced 1-D grid (rows spanned by a program: BLOCK_R).
-    for chunk_is_block, block_r in ((True, 2), (True, 8), (False, 4)):
-        ok &= compile_variant(kernels._balanced_stats_kernel, balanced_constexprs(chunk_is_block, block_r),
-                              f"_balanced_stats_kernel(chunk_is_block={chunk_is_block}, block_r={block_r})",
-                              STATS_POINTERS)
     for has_draft_logits in (False, True):
         ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass},
                               f"_filter_kernel(draft_logits={has_draft_logits})")
@@ -243,11 +229,6 @@ def main() -> int:
                           "_filter_kernel(as sample_draft_filtered launches it)", aligned=aligned)
     ok &= compile_variant(kernels._stats_kernel, {**stats_pass_constexprs(False, False, True, True), **draft_launch},
                           "_stats_kernel(as sample_draft_filtered launches it)", STATS_POINTERS, aligned=aligned)
-    ok &= compile_variant(kernels._balanced_stats_kernel,
-                          {**balanced_constexprs(True, 2), "rows_per_request": 1, "k": 0, "d_stride_i": 0,
-                           "temperature_stride": 1},
-                          "_balanced_stats_kernel(as sample_draft_filtered launches it)", STATS_POINTERS,
-                          aligned=aligned)
     for probs, logits in ((True, False), (False, True), (False, False)):
         flags = {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits, "WITH_LOGPROBS": True, "COUNT": True,
                  "BLOCK_K": 8, "BLOCK_V": GEOMETRY["block_v"], "FAST_LOG": True}

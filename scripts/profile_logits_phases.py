@@ -185,9 +185,11 @@ def _smid():
     STATS_TIMER = torch.zeros((rows, programs, 6), dtype=torch.int64, device=device)
     common = (k, vocab,"""),
     ("""\
-            FILTERS=filters, **search, num_warps""",
+        HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
+        **search, num_warps""",
      """\
-            FILTERS=filters, stats_timer_ptr=STATS_TIMER, **search, num_warps"""),
+        HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
+        stats_timer_ptr=STATS_TIMER, **search, num_warps"""),
     ("""\
             HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["stats_num_stages"], BLOCK_C=block_c,
             **search, num_warps""",

@@ -63,9 +63,6 @@ LOGITS_SAMPLING = dict(
     # filtered, B = 64: 1 took 42.1 against 42.6 us with draft probabilities but 71.9 against 65.0 with draft logits.
     stats_num_stages=3,
     stats_programs_per_sm=8,  # 4 or 2: slower at B = 64 (one program per row); 16: within 1 us either way
-    # With no row filtered (top_k and top_p None), the statistics pass instead splits all rows' chunks evenly over
-    # stats_balanced_per_sm programs per SM (as many as fit at once), across row ends: one wave. 0: the grid above.
-    stats_balanced_per_sm=4,
     interpreter_stats_chunk=64,  # TRITON_INTERPRET: short, so that CPU tests with small blocks split their rows
     hist_bins=64,
     bin_scale=1,  # 63 logits deep: a peaked row's top token may lead its top_k-th by 30 and more

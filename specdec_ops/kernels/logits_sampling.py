@@ -9,10 +9,8 @@ Every pass splits a row's V into chunks, a grid from the shapes and the SM count
 LOGITS_SAMPLING). The statistics and filter passes use chunks of a fixed length, each chunk's partial computed from
 that chunk alone and the partials combined in chunk order, so a row's sums are the same whatever batch it is in
 (batch invariance); a program takes several consecutive chunks when the batch alone fills the GPU (a grid of
-(rows, programs per row)), which changes who computes a partial, not its value; with no row filtered (top_k and
-top_p None) the statistics pass instead splits all rows' chunks evenly over one wave of programs, across row ends
-(`_balanced_stats_kernel`), each row's partials the same. The race passes, whose winners are exact maxima, take
-more chunks when the batch is small (a grid of (rows, chunks)). The programs of a row meet
+(rows, programs per row)), which changes who computes a partial, not its value. The race passes, whose winners are
+exact maxima, take more chunks when the batch is small (a grid of (rows, chunks)). The programs of a row meet
 through its words in the persistent zeroed scratch (kernels/scratch.py): an atomic ticket (kernels/ticket.py)
 elects the row's last program, which combines the others' results in chunk order and leaves the words at 0 (no
 memset; graph-capturable, no host sync).
@@ -379,20 +377,6 @@ def _store_partial_tl(partial_ptr, top, total, argmax, top_bin):
 
 
 @triton.jit
-def _combine_partials_tl(base, in_row, vocab, t):
-    """A row's (m, S, argmax) from its chunks' partials at base [BLOCK_C] (4 words each; in_row: the row's chunks),
-    in one order for every grid and batch: tl.sum over the [BLOCK_C] vector, whose shape follows V alone."""
-    tops = tl.load(base, mask=in_row, other=-8388608, cache_modifier=".cg").to(tl.float32, bitcast=True)
-    totals = tl.load(base + 1, mask=in_row, other=0, cache_modifier=".cg").to(tl.float32, bitcast=True)
-    argmaxes = tl.load(base + 2, mask=in_row, other=0, cache_modifier=".cg")
-    top = tl.max(tops, axis=0)
-    argmax = tl.minimum(tl.min(tl.where(in_row & (tops == top), argmaxes, vocab), axis=0), vocab - 1)
-    scale = _exp2_scale_tl(t)
-    mass = tl.sum(tl.where(tops > float("-inf"), totals * tl.exp2((tops - top) * scale), 0.0), axis=0)
-    return top / t, mass, argmax  # max(x / t) = max(x) / t: the division rounds monotonically
-
-
-@triton.jit
 def _anchored_top_k_bound_tl(hist_ptr, bins, in_row, top_k, NUM_BINS: tl.constexpr, BLOCK_C: tl.constexpr):
     """A bin level at or below the top_k-th largest x of a row whose histogram aligned on its top bin does not
     reach top_k (an outlier maximum far above the rest, as a token's own tied embedding gives random weights):
@@ -480,7 +464,14 @@ def _stats_kernel(
         chunk = tl.arange(0, BLOCK_C)
         in_row = chunk < num_chunks
         base = partial_ptr + (g * num_chunks + chunk) * 4
-        m, mass, argmax = _combine_partials_tl(base, in_row, vocab, t)
+        tops = tl.load(base, mask=in_row, other=-8388608, cache_modifier=".cg").to(tl.float32, bitcast=True)
+        totals = tl.load(base + 1, mask=in_row, other=0, cache_modifier=".cg").to(tl.float32, bitcast=True)
+        argmaxes = tl.load(base + 2, mask=in_row, other=0, cache_modifier=".cg")
+        top = tl.max(tops, axis=0)
+        argmax = tl.minimum(tl.min(tl.where(in_row & (tops == top), argmaxes, vocab), axis=0), vocab - 1)
+        scale = _exp2_scale_tl(t)
+        mass = tl.sum(tl.where(tops > float("-inf"), totals * tl.exp2((tops - top) * scale), 0.0), axis=0)
+        m = top / t  # max(x / t) = max(x) / t: the division rounds monotonically
         tau = tl.full([], -2139095041, tl.int32)  # the order key of -inf: every non-NaN entry is at or above
         if filtered:
             # The chunks' histograms, aligned on the row's top bin: counts of x >= (top bin - d) / BIN_SCALE
@@ -498,7 +489,7 @@ def _stats_kernel(
                 reached = tl.cumsum(counts, axis=0) >= top_k
             else:
                 # An entry at depth d has e > exp(-(d + 1) / (BIN_SCALE * t)).
-                floor_e = tl.exp2(-(depth + 1).to(tl.float32) * (_exp2_scale_tl(t) / BIN_SCALE))
+                floor_e = tl.exp2(-(depth + 1).to(tl.float32) * (scale / BIN_SCALE))
                 reached = tl.cumsum(counts.to(tl.float32) * floor_e, axis=0) >= top_p * mass
             shallowest = tl.min(tl.where(reached, depth, NUM_BINS), axis=0)
             bound_x = (row_bin - shallowest.to(tl.float32)) / BIN_SCALE
@@ -523,82 +514,6 @@ def _stats_kernel(
                            kept_mass_ptr, workspace_ptr, submax_ptr, subs_ptr, k, t_stride_b, t_stride_i, d_stride_b,
                            d_stride_i, BLOCK_V, NUM_STAGES, SEARCH_BLOCK, NUM_PROBES, CAP, SMALL_CAP, BLOCK_C,
                            GATHER_BLOCK, GATHER_RUN, SUB_BLOCK)
-
-@triton.jit
-def _balanced_chunk_tl(entry, target_ptr, draft_logits_ptr, temperature_ptr, k, num_chunks, chunk_len,
-                       rows_per_request, t_stride_b, t_stride_i, d_stride_b, d_stride_i, temperature_stride):
-    """Chunk `entry` (int32) of the balanced statistics pass: its row's logits, its first entry, and as
-    `_stats_kernel` has them the row's t (1 for a greedy row) and whether the row is random."""
-    g = entry // num_chunks
-    b = g // rows_per_request
-    r = g - b * rows_per_request
-    b64 = b.to(tl.int64)
-    temperature = tl.load(temperature_ptr + b64 * temperature_stride)
-    row = target_ptr + b64 * t_stride_b + r * t_stride_i
-    if r > k:
-        row = draft_logits_ptr + b64 * d_stride_b + (r - k - 1) * d_stride_i
-    is_random = temperature > 0
-    return row, (entry - g * num_chunks) * chunk_len, tl.where(is_random, temperature, 1.0), is_random
-
-
-@triton.jit
-def _balanced_stats_kernel(
-    target_ptr, draft_logits_ptr, temperature_ptr, stats_ptr, partial_ptr, ticket_ptr,
-    k, vocab, chunk_len, num_chunks, total_chunks, rows_per_request, t_stride_b, t_stride_i, d_stride_b, d_stride_i,
-    temperature_stride,
-    CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr, BLOCK_C: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-):
-    """`_stats_kernel` where no row is filtered (top_k and top_p None, no fused filter pass), over a 1-D grid sized
-    to the GPU: the rows' chunks as one list (chunk c of row g is entry g * num_chunks + c), program p taking an
-    equal share [p * total / P, (p + 1) * total / P) of it, across row ends, so that no program waits in a second
-    wave behind the others. Each chunk's partial is the same as `_stats_kernel`'s (computed from the chunk alone);
-    a program then adds the number of chunks it did of each row it touched (at most BLOCK_R rows) to that row's
-    ticket, and the program whose chunks complete a row combines it with `_combine_partials_tl`, as there."""
-    # Chunk indices in int32 (4 * rows * num_chunks is far below 2**31): the loop divides int32s, not int64s.
-    program = tl.program_id(0).to(tl.int64)
-    num_programs = tl.num_programs(0)
-    c0 = (program * total_chunks // num_programs).to(tl.int32)
-    c1 = ((program + 1) * total_chunks // num_programs).to(tl.int32)
-    if CHUNK_IS_BLOCK:
-        # One block per chunk: the loop over the program's chunks is pipelined across row ends too.
-        for entry in tl.range(c0, c1, num_stages=NUM_STAGES):
-            row, start, t, is_random = _balanced_chunk_tl(
-                entry, target_ptr, draft_logits_ptr, temperature_ptr, k, num_chunks, chunk_len, rows_per_request,
-                t_stride_b, t_stride_i, d_stride_b, d_stride_i, temperature_stride)
-            top, total, argmax, top_bin = _chunk_stats_block_tl(
-                row, start, tl.minimum(start + chunk_len, vocab), vocab, t, partial_ptr, partial_ptr, False,
-                is_random, BLOCK_V, 1, 1, 1, 0)
-            _store_partial_tl(partial_ptr + entry * 4, top, total, argmax, top_bin)
-    else:
-        for entry in range(c0, c1):
-            row, start, t, is_random = _balanced_chunk_tl(
-                entry, target_ptr, draft_logits_ptr, temperature_ptr, k, num_chunks, chunk_len, rows_per_request,
-                t_stride_b, t_stride_i, d_stride_b, d_stride_i, temperature_stride)
-            top, total, argmax, top_bin = _chunk_stats_tl(
-                row, start, tl.minimum(start + chunk_len, vocab), vocab, t, partial_ptr, partial_ptr, False, BLOCK_V,
-                NUM_STAGES, 1, 1, 1, 0)
-            _store_partial_tl(partial_ptr + entry * 4, top, total, argmax, top_bin)
-    tl.debug_barrier()  # every thread's partials are stored before the tickets publish them
-    # One atomic per touched row, all in flight at once: rows g_first + i, of which this program did `done` chunks.
-    i = tl.arange(0, BLOCK_R)
-    touched_rows = c0 // num_chunks + i
-    done = tl.minimum(touched_rows * num_chunks + num_chunks, c1) - tl.maximum(touched_rows * num_chunks, c0)
-    touched = done > 0
-    before = tl.atomic_add(ticket_ptr + touched_rows, tl.where(touched, done, 0).to(tl.int64), mask=touched,
-                           sem="acq_rel")
-    completes = touched & (before + done == num_chunks)
-    chunk = tl.arange(0, BLOCK_C)
-    in_row = chunk < num_chunks
-    for which in range(0, BLOCK_R):
-        if tl.sum(tl.where(i == which, completes.to(tl.int32), 0), axis=0) > 0:
-            row_g = c0 // num_chunks + which
-            reset_ticket_tl(ticket_ptr + row_g)
-            row_temperature = tl.load(temperature_ptr + (row_g // rows_per_request) * temperature_stride)
-            row_m, row_mass, row_argmax = _combine_partials_tl(partial_ptr + (row_g * num_chunks + chunk) * 4,
-                                                               in_row, vocab,
-                                                               tl.where(row_temperature > 0, row_temperature, 1.0))
-            _store_stats_tl(stats_ptr + row_g * 4, row_m, tl.full([], -2139095041, tl.int32), row_mass, row_argmax)
 
 @triton.jit
 def _run_of_8_tl(x):
@@ -1292,7 +1207,7 @@ def _gather_cap(device, gather_cap):
 
 
 def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_k, top_p, min_p, block_v,
-                    num_chunks, gather_cap, fused_filter=None, chunks_per_program=None, balanced=None):
+                    num_chunks, gather_cap, fused_filter=None, chunks_per_program=None):
     """stats int32 [rows, 4] = (m, tau, S, argmax) of every logit row: target [B, R, V] rows r <= k, then the draft
     logits [B, k, V] (or None) as rows k+1 .. 2k. The statistics pass, then the filter pass: a launch of its own, or
     run by each row's last statistics program (fused_filter True; by default, LOGITS_SAMPLING["fused_filter"]: 2
@@ -1302,8 +1217,6 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     batch, _, vocab = target.shape
     device = target.device
     rows = batch * rows_per_request
-    if balanced is None:  # a grid given by chunks_per_program is the per-row one
-        balanced = geometry["stats_balanced_per_sm"] > 0 and chunks_per_program is None
     block_v, chunk_len, num_chunks = _statistics_plan(vocab, device, block_v, num_chunks)
     chunks_per_program, programs = _statistics_grid(rows, num_chunks, device, chunks_per_program)
     cap = _gather_cap(device, gather_cap)
@@ -1327,7 +1240,6 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     if fused_filter is None:
         fused_filter = geometry["fused_filter"] == 1 or (geometry["fused_filter"] == 2 and programs == 1)
     fused_filter = bool(fused_filter) and filter_pass
-    balanced = bool(balanced) and not filters and not fused_filter
     top_k, top_p, min_p = _given_or_off(top_k, top_p, min_p, batch, device)
     params = (temperature, top_k, top_p, min_p)
     param_strides = (temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0))
@@ -1354,29 +1266,15 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
                   SUB_BLOCK=sub_block)
     grid = (rows, programs)
     common = (k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request, *strides, *param_strides)
-    if balanced:
-        total_chunks = rows * num_chunks
-        sms = sm_count(device) if device.type == "cuda" else geometry["interpreter_sms"]
-        balanced_programs = min(total_chunks, geometry["stats_balanced_per_sm"] * sms)
-        # A span of n consecutive chunks touches at most cdiv(n, num_chunks) + 1 rows.
-        most_rows = triton.cdiv(triton.cdiv(total_chunks, balanced_programs), num_chunks) + 1
-        _balanced_stats_kernel[(balanced_programs,)](
-            target, draft, temperature, stats, partial, workspace[rows:], k, vocab, chunk_len, num_chunks,
-            total_chunks, rows_per_request, *strides, temperature.stride(0),
-            CHUNK_IS_BLOCK=chunk_len == block_v, BLOCK_V=block_v, NUM_STAGES=geometry["stats_num_stages"],
-            BLOCK_C=block_c, BLOCK_R=triton.next_power_of_2(most_rows), num_warps=geometry["stats_num_warps"],
-            **_register_limit(geometry["stats_maxnreg"]),
-        )
-    else:
-        _stats_kernel[grid](
-            target, draft, *params, stats, partial, hist, workspace[rows:], candidates, counts, kept_mass, workspace,
-            submax, subs, *common,
-            HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v, BLOCK_V=block_v,
-            NUM_STAGES=geometry["stats_num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
-            HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter,
-            FILTERS=filters, **search, num_warps=geometry["stats_num_warps"],  # fused: the filter's register limit
-            **_register_limit(geometry["filter_maxnreg" if fused_filter else "stats_maxnreg"]),
-        )
+    _stats_kernel[grid](
+        target, draft, *params, stats, partial, hist, workspace[rows:], candidates, counts, kept_mass, workspace,
+        submax, subs, *common,
+        HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v, BLOCK_V=block_v,
+        NUM_STAGES=geometry["stats_num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
+        HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
+        **search, num_warps=geometry["stats_num_warps"],
+        **_register_limit(geometry["filter_maxnreg" if fused_filter else "stats_maxnreg"]),  # fused: the filter's code
+    )
     if filter_pass and not fused_filter:
         _filter_kernel[grid](
             target, draft, *params, stats, candidates, counts, kept_mass, workspace, submax, subs, *common,
@@ -1388,7 +1286,7 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
 
 def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits, temperature, top_k, top_p, min_p,
                       seeds, offsets, block_verification, counters, with_logprobs, block_v=None, gather_cap=None,
-                      num_chunks=None, fused_filter=None, chunks_per_program=None, balanced=None):
+                      num_chunks=None, fused_filter=None, chunks_per_program=None):
     batch, k = draft_token_ids.shape
     vocab = target_logits.shape[2]
     device = target_logits.device
@@ -1401,7 +1299,7 @@ def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits,
     has_probs = draft_probs is not None
     num_rows = k + 1 + (k if has_logits else 0)
     stats = _row_statistics(target_logits, draft_logits, k, num_rows, temperature, top_k, top_p, min_p, block_v,
-                            num_chunks, gather_cap, fused_filter, chunks_per_program, balanced)
+                            num_chunks, gather_cap, fused_filter, chunks_per_program)
     min_p = _given_or_off(top_k, top_p, min_p, batch, device)[2]
     q = draft_probs if has_probs else (draft_logits if has_logits else target_logits)
     q_strides = (q.stride(0), q.stride(1)) if (has_probs or has_logits) else (0, 0)
@@ -1487,7 +1385,7 @@ def _rejection_logprobs_counted_triton(target_logits, draft_token_ids, draft_pro
 
 
 def _launch_draft(logits, temperature, top_k, top_p, min_p, seeds, positions, probs, block_v=None, gather_cap=None,
-                  num_chunks=None, fused_filter=None, chunks_per_program=None, balanced=None):
+                  num_chunks=None, fused_filter=None, chunks_per_program=None):
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -1495,7 +1393,7 @@ def _launch_draft(logits, temperature, top_k, top_p, min_p, seeds, positions, pr
     geometry = LOGITS_SAMPLING
     with_probs = probs is not None
     stats = _row_statistics(logits[:, None], None, 0, 1, temperature, top_k, top_p, min_p, block_v, num_chunks,
-                            gather_cap, fused_filter, chunks_per_program, balanced)
+                            gather_cap, fused_filter, chunks_per_program)
     min_p = _given_or_off(top_k, top_p, min_p, rows, logits.device)[2]
     block_v, chunk_len, num_chunks = _plan(rows, vocab, logits.device, block_v, num_chunks)
     workspace = zeroed_scratch(logits.device, 2 * rows)  # per row: the packed race maximum and a ticket
