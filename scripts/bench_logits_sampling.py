@@ -21,7 +21,10 @@ inputs.
 
 On CUDA the time is GPU microseconds per call from replays of a CUDA graph of 100 calls (scripts/_timing.py), and
 "x floor" is the time over the read floor: the target and draft inputs read once at 4.3 TB/s (the ``probs`` row
-counts its float32 q). On CPU (``--device cpu``) the time is host wall-clock per call, smaller sizes, for a smoke
+counts its float32 q). "x read" is the time over a measured read of the same inputs on the same GPU (``torch.amax``
+of each input, which streams it once: the floor as this GPU reaches it, launches included), so that a run on a GPU
+slower than the floor's 4.3 TB/s (an H100) still says how far from its own memory the op is. On CPU (``--device
+cpu``) the time is host wall-clock per call, smaller sizes, for a smoke
 run of the script itself; the floor column is then omitted.
 
     python scripts/bench_logits_sampling.py [--quick] [--device cuda|cpu] [--geometry block_v=2048,num_warps=8]
@@ -113,13 +116,13 @@ def bench(batch, vocab, dtype, filters, inputs, device, replays, ops=("logits", 
     calls = {
         "logits": (lambda: specdec_ops.rejection_sample_logits(
             target, draft, *params, seeds, offsets, draft_logits=draft_logits, counters=counters),
-            (2 * K + 1) * batch * vocab * elem),
+            (2 * K + 1) * batch * vocab * elem, (target, draft_logits)),
         "probs": (lambda: specdec_ops.rejection_sample_logits(
             target, draft, *params, seeds, offsets, draft_probs=q, counters=counters),
-            (K + 1) * batch * vocab * elem + K * batch * vocab * 4),
+            (K + 1) * batch * vocab * elem + K * batch * vocab * 4, (target, q)),
         "block": (lambda: specdec_ops.rejection_sample_logits(
             target, draft, *params, seeds, offsets, draft_logits=draft_logits, block_verification=True,
-            counters=counters), (2 * K + 1) * batch * vocab * elem),
+            counters=counters), (2 * K + 1) * batch * vocab * elem, (target, draft_logits)),
     }
     calls = {name: call for name, call in calls.items() if name in ops}
     filtered = filters == "top-k+top-p"
@@ -144,22 +147,26 @@ def bench(batch, vocab, dtype, filters, inputs, device, replays, ops=("logits", 
                       f"{int((got.cpu() != expected).any(1).sum())} of {batch} rows (a near-tie, or a bug)")
     torch_us = time_us(torch_pipeline, device, max(3, replays // 2)) if pipeline else None
     rows = []
-    for name, (fn, floor_bytes) in calls.items():
+    for name, (fn, floor_bytes, read) in calls.items():
         us = time_us(fn, device, replays)
-        rows.append((name, str(dtype).replace("torch.", ""), filters, inputs, batch, vocab, us, floor_bytes,
+        read_us = time_us(lambda: [tensor.amax() for tensor in read], device, replays) if device == "cuda" else None
+        rows.append((name, str(dtype).replace("torch.", ""), filters, inputs, batch, vocab, us, floor_bytes, read_us,
                      torch_us if name == ops[0] else None))
     return rows
 
 
-HEADER = ("| op | dtype | filters | inputs | B | V | us/call | x floor | torch pipeline us | speedup |\n"
-          "|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+HEADER = ("| op | dtype | filters | inputs | B | V | us/call | x floor | read us | x read | torch pipeline us "
+          "| speedup |\n"
+          "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def print_rows(rows, device):
-    for name, dtype, filters, inputs, batch, vocab, us, floor_bytes, torch_us in rows:
+    for name, dtype, filters, inputs, batch, vocab, us, floor_bytes, read_us, torch_us in rows:
         floor = f"{us / (floor_bytes / PEAK_BYTES_PER_S * 1e6):.2f}" if device == "cuda" else "-"
+        read = f"{read_us:.2f} | {us / read_us:.2f}" if read_us is not None else "- | -"
         torch_cols = f"{torch_us:.1f} | {torch_us / us:.1f}x" if torch_us is not None else "- | -"
-        print(f"| {name} | {dtype} | {filters} | {inputs} | {batch} | {vocab} | {us:.2f} | {floor} | {torch_cols} |",
+        print(f"| {name} | {dtype} | {filters} | {inputs} | {batch} | {vocab} | {us:.2f} | {floor} | {read} | "
+              f"{torch_cols} |",
               flush=True)
 
 

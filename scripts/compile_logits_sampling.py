@@ -88,14 +88,15 @@ def row_pass_constexprs(gather_run) -> dict:
 
 
 # The statistics pass's pointers beyond POINTERS.
-STATS_POINTERS = {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64"}
+STATS_POINTERS = {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64", "draft_ids_ptr": "*i64", "at_draft_ptr": "*fp32"}
 
 
 def stats_pass_constexprs(has_draft_logits, fused, chunk_is_block, filters) -> dict:
     """The statistics pass's constexprs, as the GPU launches it (row_pass_constexprs with the default gather)."""
     return {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass_constexprs(GEOMETRY["gather_run"]),
             "CHUNK_IS_BLOCK": chunk_is_block, "NUM_BINS": GEOMETRY["hist_bins"], "BIN_SCALE": GEOMETRY["bin_scale"],
-            "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters}
+            "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters, "KEEP_IN_L2": False,
+            "AT_DRAFT": not filters and not fused, "HAS_DRAFT_PROBS": not has_draft_logits}
 
 
 # The sub-block size the compile check and --gather-loop use if the geometry's sub_block is 0 (off).
@@ -233,19 +234,23 @@ def main() -> int:
         flags = {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits, "WITH_LOGPROBS": True, "COUNT": True,
                  "BLOCK_K": 8, "BLOCK_V": GEOMETRY["block_v"], "FAST_LOG": True}
         # The GPU's chunk is one block (stats_block_v); the several-block loop compiles for draft logits.
-        for chunk_is_block in (True, False) if logits else (True,):
+        # AT_DRAFT: the accept tests' p(x_i), q(x_i) from the statistics pass (filters None), else computed here.
+        for chunk_is_block, at_draft in ((True, False), (True, True), (False, False)) if logits else \
+                ((True, False), (True, True)):
             ok &= compile_variant(kernels._block_residual_kernel,
                                   {"HAS_DRAFT_PROBS": probs, "HAS_DRAFT_LOGITS": logits,
                                    "CHUNK_IS_BLOCK": chunk_is_block, "BLOCK_K": 8, "BLOCK_V": GEOMETRY["stats_block_v"],
-                                   "BLOCK_C": BLOCK_C, "NUM_STAGES": GEOMETRY["num_stages"]},
+                                   "BLOCK_C": BLOCK_C, "NUM_STAGES": GEOMETRY["num_stages"], "AT_DRAFT": at_draft},
                                   f"_block_residual_kernel(draft_probs={probs}, draft_logits={logits}, "
-                                  f"chunk_is_block={chunk_is_block})",
-                                  {"target_ptr": "*fp32"})
+                                  f"chunk_is_block={chunk_is_block}, at_draft={at_draft})",
+                                  {"target_ptr": "*fp32", "at_draft_ptr": "*fp32"})
         for block in (False, True):
-            ok &= compile_variant(kernels._race_verify_kernel,
-                                  {**flags, "BLOCK": block, "NUM_STAGES": GEOMETRY["num_stages"]},
-                                  f"_race_verify_kernel(draft_probs={probs}, draft_logits={logits}, block={block})",
-                                  {"target_ptr": "*fp32"})
+            for at_draft in (False, True):
+                ok &= compile_variant(kernels._race_verify_kernel,
+                                      {**flags, "BLOCK": block, "NUM_STAGES": GEOMETRY["num_stages"],
+                                       "AT_DRAFT": at_draft},
+                                      f"_race_verify_kernel(draft_probs={probs}, draft_logits={logits}, block={block}, "
+                                      f"at_draft={at_draft})", {"target_ptr": "*fp32", "at_draft_ptr": "*fp32"})
     for with_probs in (False, True):
         ok &= compile_variant(kernels._draft_race_kernel, {"WITH_PROBS": with_probs, "BLOCK_V": GEOMETRY["block_v"],
                                                            "NUM_STAGES": GEOMETRY["num_stages"], "FAST_LOG": True},

@@ -68,10 +68,10 @@ def _smid():
     return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
 """),
     ("""\
-    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr, SUB_BLOCK: tl.constexpr,
+    KEEP_IN_L2: tl.constexpr, AT_DRAFT: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
 ):""",
      """\
-    GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr, SUB_BLOCK: tl.constexpr,
+    KEEP_IN_L2: tl.constexpr, AT_DRAFT: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
     stats_timer_ptr,
 ):"""),
     ("""\
@@ -185,11 +185,10 @@ def _smid():
     STATS_TIMER = torch.zeros((rows, programs, 6), dtype=torch.int64, device=device)
     common = (k, vocab,"""),
     ("""\
-        HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
-        **search, num_warps""",
+        KEEP_IN_L2=keep_in_l2, AT_DRAFT=at_draft_given, HAS_DRAFT_PROBS=draft_probs is not None, **search,""",
      """\
-        HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
-        stats_timer_ptr=STATS_TIMER, **search, num_warps"""),
+        KEEP_IN_L2=keep_in_l2, AT_DRAFT=at_draft_given, HAS_DRAFT_PROBS=draft_probs is not None,
+        stats_timer_ptr=STATS_TIMER, **search,"""),
     ("""\
             HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["stats_num_stages"], BLOCK_C=block_c,
             **search, num_warps""",

@@ -511,7 +511,7 @@ def test_triton_outlier_maximum_keeps_a_tight_candidate_bound(monkeypatch):
     entries, as a 128256-entry row has 63 on the GPU."""
     target, params = outlier_case([5, 20, 40])
     monkeypatch.setattr(kernels, "_filter_kernel", _NoLaunch())  # the statistics pass's bound stays in stats
-    stats = kernels._row_statistics(target, None, 1, 2, *params, 64, 47, None, fused_filter=False)
+    stats = kernels._row_statistics(target, None, 1, 2, *params, 64, 47, None, fused_filter=False)[0]
     rows = target.reshape(-1, 3000)
     for g, row in enumerate(rows):
         top_k = int(params[1][g // 2])
@@ -733,7 +733,7 @@ def test_infinite_temperature_is_uniform(kernel):
         device = "cuda" if HAS_CUDA else "cpu"
         target, draft_logits = (args[0].to(device), args[3].to(device))
         stats = kernels._row_statistics(target, draft_logits, 2, 5, args[4].to(device), None, None, None, 64, None,
-                                        None).cpu()
+                                        None)[0].cpu()
         assert torch.equal(stats[:5, 2].view(torch.float32), torch.full((5,), 100.0)), stats
 
 
@@ -816,7 +816,7 @@ def test_triton_statistics_store_sub_block_maxima(one_block):
                      BLOCK_V: tl.constexpr, SUB_BLOCK: tl.constexpr):
         if ONE_BLOCK:
             kernels._chunk_stats_block_tl(row_ptr, start, end, vocab, 1.0, hist_ptr, submax_ptr, True, True,
-                                          BLOCK_V, 64, 1, 4, SUB_BLOCK)
+                                          BLOCK_V, 64, 1, 4, SUB_BLOCK, False)
         else:
             kernels._chunk_stats_tl(row_ptr, start, end, vocab, 1.0, hist_ptr, submax_ptr, True, BLOCK_V, 1, 64, 1,
                                     4, SUB_BLOCK)
@@ -1063,6 +1063,44 @@ def test_filters_given_as_none_are_off(kernel, case, monkeypatch):
             if kernel is run_triton:
                 check_against_reference(kernel, filters_as(args, NONE_CASES[case], True), block, block_v=16,
                                         num_chunks=3, fused_filter=False)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("draft", ["logits", "probs", "none"])
+def test_triton_accept_tests_from_the_statistics_pass(draft, monkeypatch):
+    """With every filter None (no filter pass) the statistics pass stores p(x_i) and q(x_i) at the draft tokens and
+    the verification kernels read them there (AT_DRAFT); with min_p given as zeros a filter pass runs and they
+    compute both from the logits themselves. Tokens, logprobs and counters are bit for bit the same either way:
+    mixed greedy and random rows, draft ids outside [0, V), token-wise and block verification, rows of one and of
+    several chunks."""
+    launched = []
+    for name in ("_race_verify_kernel", "_block_residual_kernel"):
+        kernel = getattr(kernels, name)
+
+        class Spy:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                def launch(*args, **kwargs):
+                    launched.append((name, kwargs["AT_DRAFT"]))
+                    return kernel[grid](*args, **kwargs)
+                return launch
+        monkeypatch.setattr(kernels, name, Spy())
+    args = list(make_case(61, 6, 3, 70, params="mixed", draft=draft))
+    args[4] = torch.tensor([0.0, 0.8, 1.3, 0.0, 1.0, 0.6])  # greedy rows 0 and 3
+    with_none = tuple(args[:5]) + (None, None, None) + tuple(args[8:])
+    with_zero_min_p = tuple(args[:5]) + (None, None, torch.zeros(6)) + tuple(args[8:])
+    for block in (False, True):
+        for launch in ({}, dict(block_v=16, num_chunks=5)):
+            launched.clear()
+            counters = torch.zeros(3, dtype=torch.int64)
+            got = run_triton(with_none, block, counters, logprobs=True, **launch)
+            assert launched and all(at_draft for _, at_draft in launched), launched
+            launched.clear()
+            zero_counters = torch.zeros(3, dtype=torch.int64)
+            expected = run_triton(with_zero_min_p, block, zero_counters, logprobs=True, **launch)
+            assert launched and not any(at_draft for _, at_draft in launched), launched
+            assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+            assert torch.equal(counters, zero_counters)
+            assert torch.equal(got[0], reference(with_none, block))
 
 
 @pytest.mark.parametrize("kernel", DRAFT_KERNELS)
@@ -1468,7 +1506,7 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(": ok (") == 26, result.stdout
+    assert result.stdout.count(": ok (") == 35, result.stdout
     # Both forms of the filter pass's gather (the default geometry compiles one), and its gather from sub-block
     # maxima, compile and disassemble.
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py"), "--gather-loop"],

@@ -47,7 +47,10 @@ memset; graph-capturable, no host sync).
    (p(x), q(x) from the statistics and one logit each), races its chunk of the rejected/bonus row j with the
    segmented race of specdec_ops/ops/sampling.py and folds its winner (key bits, V-1-token) into the request's
    int64 atomic max; the last program writes the output row, the logprobs and the counters (and redraws from p_j
-   when the residual has no positive key, a slow path). Block verification first runs `_block_residual_kernel`
+   when the residual has no positive key, a slow path). With no filter pass the statistics are final in pass 1, so
+   its last program of each row also stores p(x_i) (and q(x_i)) at the row's draft token (geometry
+   accept_from_statistics): the race programs then read them beside the statistics, one dependent load fewer
+   before they know j and can start reading. Block verification first runs `_block_residual_kernel`
    over (B, k - 1 residual rows, programs of several fixed-length chunks): the residual masses R_i as per-chunk
    partials, and the request's last program decides the stop point tau; then the same race kernel draws the token
    at tau from max(w_tau * p - q, 0).
@@ -303,7 +306,7 @@ def _chunk_stats_tl(row_ptr, start, end, vocab, t, hist_ptr, submax_ptr, filtere
 @triton.jit
 def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, submax_ptr, filtered, is_random,
                           BLOCK_V: tl.constexpr, NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr,
-                          HIST_GROUP: tl.constexpr, SUB_BLOCK: tl.constexpr):
+                          HIST_GROUP: tl.constexpr, SUB_BLOCK: tl.constexpr, KEEP_IN_L2: tl.constexpr):
     """`_chunk_stats_tl` of a chunk that is one block (end - start <= BLOCK_V), read once: the max, the argmax and
     the sum from the block in registers, and with `filtered` the histogram from the same registers. The pass is
     issue-bound, so each row computes only what its mode reads: a random row the max and the sum (argmax 0), a
@@ -311,7 +314,11 @@ def _chunk_stats_block_tl(row_ptr, start, end, vocab, t, hist_ptr, submax_ptr, f
     scale = _exp2_scale_tl(t)
     v = start + tl.arange(0, BLOCK_V)
     in_chunk = v < end
-    x = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf")).to(tl.float32)
+    if KEEP_IN_L2:
+        # The race pass reads one of these rows again right after this pass: keep them in L2 ahead of other lines.
+        x = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf"), eviction_policy="evict_last").to(tl.float32)
+    else:
+        x = tl.load(row_ptr + v, mask=in_chunk, other=float("-inf")).to(tl.float32)
     top = tl.max(x, axis=0)
     if is_random:
         argmax = tl.zeros([], tl.int32)
@@ -342,7 +349,7 @@ def _sub_block_ptr_tl(ptr, entry, SUB_BLOCK: tl.constexpr):
 def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t, partial_ptr, hist_ptr,
                    submax_ptr, filtered, is_random, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
                    NUM_STAGES: tl.constexpr, NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr,
-                   HIST_GROUP: tl.constexpr, SUB_BLOCK: tl.constexpr):
+                   HIST_GROUP: tl.constexpr, SUB_BLOCK: tl.constexpr, KEEP_IN_L2: tl.constexpr):
     """Chunks c_first .. c_last - 1 of row g: each chunk's statistics into partial [g, c, 4] (and its histogram
     into hist [g, c, NUM_BINS], with SUB_BLOCK its sub-block maxima into the row's submax_ptr [V / SUB_BLOCK]
     (rounded up to whole chunks)), computed from that chunk alone, so the same whichever program computes it."""
@@ -354,7 +361,7 @@ def _span_stats_tl(row_ptr, g, c_first, c_last, num_chunks, chunk_len, vocab, t,
             top, total, argmax, top_bin = _chunk_stats_block_tl(
                 row_ptr, start, tl.minimum(start + chunk_len, vocab), vocab, t, hist_ptr + slot * NUM_BINS,
                 _sub_block_ptr_tl(submax_ptr, start, SUB_BLOCK), filtered, is_random, BLOCK_V, NUM_BINS,
-                BIN_SCALE, HIST_GROUP, SUB_BLOCK)
+                BIN_SCALE, HIST_GROUP, SUB_BLOCK, KEEP_IN_L2)
             _store_partial_tl(partial_ptr + slot * 4, top, total, argmax, top_bin)
     else:
         for c in range(c_first, c_last):
@@ -417,14 +424,18 @@ def _stats_kernel(
     ticket_ptr, candidates_ptr, counts_ptr, kept_mass_ptr, workspace_ptr,
     submax_ptr,  # [rows, num_chunks * chunk_len / SUB_BLOCK] float32: the sub-block maxima (SUB_BLOCK only)
     subs_ptr,  # [rows, num_chunks * chunk_len / SUB_BLOCK] int32: the filter pass's list of sub-blocks (SUB_BLOCK)
+    draft_ids_ptr,  # [B, k] int32/int64, row stride draft_ids_stride (AT_DRAFT only)
+    q_ptr,  # [B, k, V] float32 draft probabilities, strides (q_stride_b, q_stride_i, 1) (AT_DRAFT and HAS_DRAFT_PROBS)
+    at_draft_ptr,  # [rows, 2] float32 out (AT_DRAFT): a row's processed probability at its position's draft token
     k, vocab, chunk_len, num_chunks,
     chunks_per_program, rows_per_request, t_stride_b, t_stride_i, d_stride_b, d_stride_i, temperature_stride,
-    top_k_stride, top_p_stride, min_p_stride,
+    top_k_stride, top_p_stride, min_p_stride, draft_ids_stride, q_stride_b, q_stride_i,
     HAS_DRAFT_LOGITS: tl.constexpr, CHUNK_IS_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
     NUM_BINS: tl.constexpr, BIN_SCALE: tl.constexpr, HIST_GROUP: tl.constexpr, BLOCK_C: tl.constexpr,
     FUSED_FILTER: tl.constexpr,
     SEARCH_BLOCK: tl.constexpr, NUM_PROBES: tl.constexpr, CAP: tl.constexpr, SMALL_CAP: tl.constexpr,
     GATHER_BLOCK: tl.constexpr, GATHER_RUN: tl.constexpr, FILTERS: tl.constexpr, SUB_BLOCK: tl.constexpr,
+    KEEP_IN_L2: tl.constexpr, AT_DRAFT: tl.constexpr, HAS_DRAFT_PROBS: tl.constexpr,
 ):
     """Row g = b * rows_per_request + r (target row r <= k, else draft row r - k - 1), program p: the statistics of
     chunks p * chunks_per_program .. (p + 1) * chunks_per_program - 1 (of num_chunks, each chunk_len entries) into
@@ -435,7 +446,9 @@ def _stats_kernel(
     FUSED_FILTER: that program then runs the filter pass over the whole row itself (no `_filter_kernel` launch).
     FILTERS: top_k or top_p was given (else no row is filtered, and the histograms are compiled out). SUB_BLOCK > 0:
     a filtered row's maxima of its SUB_BLOCK-entry sub-blocks go to submax, and the filter pass reads only the
-    sub-blocks whose maximum reaches its floor."""
+    sub-blocks whose maximum reaches its floor. AT_DRAFT (no filter pass: the statistics are final): the last
+    program of target row i < k also stores p(x_i) (and q(x_i) read from q_ptr, HAS_DRAFT_PROBS) in at_draft [g],
+    and that of draft row i stores q(x_i), the values the verification's accept tests read."""
     g = tl.program_id(0).to(tl.int64)
     num_programs = tl.num_programs(1)
     c_first = tl.program_id(1) * chunks_per_program
@@ -453,11 +466,11 @@ def _stats_kernel(
     if r <= k:
         _span_stats_tl(target_ptr + b * t_stride_b + r * t_stride_i, g, c_first, c_last, num_chunks, chunk_len, vocab,
                        t, partial_ptr, hist_ptr, row_submax, filtered, is_random, CHUNK_IS_BLOCK, BLOCK_V, NUM_STAGES,
-                       NUM_BINS, BIN_SCALE, HIST_GROUP, SUB_BLOCK)
+                       NUM_BINS, BIN_SCALE, HIST_GROUP, SUB_BLOCK, KEEP_IN_L2)
     else:
         _span_stats_tl(draft_logits_ptr + b * d_stride_b + (r - k - 1) * d_stride_i, g, c_first, c_last, num_chunks,
                        chunk_len, vocab, t, partial_ptr, hist_ptr, row_submax, filtered, is_random, CHUNK_IS_BLOCK,
-                       BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE, HIST_GROUP, SUB_BLOCK)
+                       BLOCK_V, NUM_STAGES, NUM_BINS, BIN_SCALE, HIST_GROUP, SUB_BLOCK, KEEP_IN_L2)
     tl.debug_barrier()  # every thread's partials and histograms are stored before the ticket publishes them
     if take_ticket_tl(ticket_ptr + g) == num_programs - 1:
         reset_ticket_tl(ticket_ptr + g)
@@ -505,6 +518,25 @@ def _stats_kernel(
                                float("-inf"))  # 2^-20 of the bound, and 2^-100 at a bound of 0
             tau = x_floor.to(tl.int32, bitcast=True)
         _store_stats_tl(stats_ptr + g * 4, m, tau, mass, argmax)
+        if AT_DRAFT:
+            position = tl.where(r <= k, r, r - k - 1)  # target row r, or draft row r - k - 1; k: the bonus row
+            if position < k:
+                min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
+                draft = tl.load(draft_ids_ptr + b * draft_ids_stride + position).to(tl.int64)
+                valid = (draft >= 0) & (draft < vocab)
+                safe = tl.where(valid, draft, 0)
+                if r <= k:
+                    row_ptr = target_ptr + b * t_stride_b + r * t_stride_i
+                else:
+                    row_ptr = draft_logits_ptr + b * d_stride_b + position * d_stride_i
+                x_at = tl.load(row_ptr + safe, mask=valid, other=0.0).to(tl.float32)
+                # As _accept_tests_tl computes them from the stored statistics, bit for bit.
+                p_x = tl.where(valid, _prob_tl(x_at, t, m, tau, mass, min_e), 0.0)
+                q_x = tl.zeros([], tl.float32)
+                if HAS_DRAFT_PROBS:
+                    q_x = tl.load(q_ptr + b * q_stride_b + position * q_stride_i + safe, mask=valid & (r < k),
+                                  other=0.0).to(tl.float32)
+                tl.store(at_draft_ptr + g * 2 + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, p_x, q_x))
         if FUSED_FILTER:
             tl.debug_barrier()  # the statistics are stored before the filter pass reads them
             min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
@@ -808,13 +840,16 @@ def _pick_tl(vec, i, index):
 
 @triton.jit
 def _accept_tests_tl(b, target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr, stats_ptr,
-                     k, vocab, num_rows, t_stride_b, t_stride_i, draft_stride_b, q_stride_b, q_stride_i,
+                     at_draft_ptr, k, vocab, num_rows, t_stride_b, t_stride_i, draft_stride_b, q_stride_b, q_stride_i,
                      temperature_stride, min_p_stride, seed_stride, offset_stride,
-                     HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_K: tl.constexpr):
+                     HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr, BLOCK_K: tl.constexpr,
+                     AT_DRAFT: tl.constexpr):
     """What both verifiers of request b read first: its sampling parameters and random stream, its rows'
     statistics (target rows 0..k; the draft rows' when HAS_DRAFT_LOGITS, else the target's), its drafts, and per
     position i < k the processed p(x_i), q(x_i), the ACCEPT uniform u_i and whether x_i is the target's argmax.
-    Vectors are [BLOCK_K] over the positions i; a draft id outside [0, V) is not valid and reads entry 0."""
+    Vectors are [BLOCK_K] over the positions i; a draft id outside [0, V) is not valid and reads entry 0.
+    AT_DRAFT: p(x_i) and q(x_i) come from at_draft [rows, 2], where the statistics pass stored them (no filter pass),
+    which saves a dependent load before the race can start."""
     temperature = tl.load(temperature_ptr + b * temperature_stride)
     greedy = ~(temperature > 0)
     t = tl.where(greedy, 1.0, temperature)
@@ -835,8 +870,11 @@ def _accept_tests_tl(b, target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr
     safe = tl.where(valid, draft, 0)
     t_row = target_ptr + b * t_stride_b
     q_row = q_ptr + b * q_stride_b
-    x_at = tl.load(t_row + i64 * t_stride_i + safe, mask=valid, other=0.0).to(tl.float32)
-    p_x = tl.where(valid, _prob_tl(x_at, t, m, tau, mass, min_e), 0.0)
+    if AT_DRAFT:
+        p_x = tl.load(at_draft_ptr + (b * num_rows + i) * 2, mask=in_k, other=0.0)
+    else:
+        x_at = tl.load(t_row + i64 * t_stride_i + safe, mask=valid, other=0.0).to(tl.float32)
+        p_x = tl.where(valid, _prob_tl(x_at, t, m, tau, mass, min_e), 0.0)
     if HAS_DRAFT_LOGITS:
         qm = tl.load(stats + (k + 1 + i) * 4, mask=in_k, other=0).to(tl.float32, bitcast=True)
         qtau = tl.load(stats + (k + 1 + i) * 4 + 1, mask=in_k, other=0)
@@ -845,8 +883,13 @@ def _accept_tests_tl(b, target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr
         qm = m
         qtau = tau
         qmass = mass
-    q_x = _q_block_tl(q_row + i64 * q_stride_i, safe, valid, safe, t, qm, qtau, qmass, min_e,
-                      HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS)
+    if AT_DRAFT & HAS_DRAFT_PROBS:
+        q_x = tl.load(at_draft_ptr + (b * num_rows + i) * 2 + 1, mask=in_k, other=0.0)
+    elif AT_DRAFT & HAS_DRAFT_LOGITS:
+        q_x = tl.load(at_draft_ptr + (b * num_rows + k + 1 + i) * 2, mask=in_k, other=0.0)
+    else:
+        q_x = _q_block_tl(q_row + i64 * q_stride_i, safe, valid, safe, t, qm, qtau, qmass, min_e,
+                          HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS)
     u = (_draw_bits_tl(_row_state_tl(seed, offset + i, i * 0 + 2), i * 0) >> 8).to(tl.float32) \
         * 5.960464477539063e-08  # ACCEPT stream
     matches = valid & (draft == argmax.to(tl.int64))
@@ -940,6 +983,7 @@ def _residual_block_tl(p_base, q_base, v, mask, w, t, m, tau, mass, qm, qtau, qm
 @triton.jit
 def _block_residual_kernel(
     target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr, stats_ptr,
+    at_draft_ptr,  # [rows, 2] float32: p(x_i), q(x_i) from the statistics pass (AT_DRAFT only)
     partial_ptr,  # [B, k, num_chunks] float32: chunk c's share of R_row at [b, row, c] (rows 1..k-1)
     stop_ptr,  # [B] int32 out: the column j of each request's emitted token (tau; greedy: the first mismatch)
     workspace_ptr,  # [B] int64 zeroed scratch: the request's ticket
@@ -948,6 +992,7 @@ def _block_residual_kernel(
     temperature_stride, min_p_stride, seed_stride, offset_stride,
     HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr, CHUNK_IS_BLOCK: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr, NUM_STAGES: tl.constexpr,
+    AT_DRAFT: tl.constexpr,
 ):
     """Block verification of request b, first launch: program (b, row - 1, p) sums max(w_row * p_row - q_row, 0)
     over chunks [p * chunks_per_program, ...) of residual row `row` (1..k-1), one partial per fixed-length chunk;
@@ -959,9 +1004,9 @@ def _block_residual_kernel(
     num_programs = tl.num_programs(1) * tl.num_programs(2)
     (greedy, t, min_e, seed, offset, i, in_k, m, tau, mass, argmax, draft, valid, qm, qtau, qmass, p_x, q_x, u,
      matches) = _accept_tests_tl(b, target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr,
-                                 stats_ptr, k, vocab, num_rows, t_stride_b, t_stride_i, draft_stride_b, q_stride_b,
-                                 q_stride_i, temperature_stride, min_p_stride, seed_stride, offset_stride,
-                                 HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS, BLOCK_K)
+                                 stats_ptr, at_draft_ptr, k, vocab, num_rows, t_stride_b, t_stride_i, draft_stride_b,
+                                 q_stride_b, q_stride_i, temperature_stride, min_p_stride, seed_stride, offset_stride,
+                                 HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS, BLOCK_K, AT_DRAFT)
     weights = _block_weights_tl(i, k, p_x, q_x, valid, BLOCK_K)
     t_row = target_ptr + b * t_stride_b
     q_row = q_ptr + b * q_stride_b
@@ -1014,6 +1059,7 @@ def _block_residual_kernel(
 @triton.jit
 def _race_verify_kernel(
     target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr, stats_ptr,
+    at_draft_ptr,  # [rows, 2] float32: p(x_i), q(x_i) from the statistics pass (AT_DRAFT only)
     out_ptr, logprobs_ptr, counters_ptr, workspace_ptr,
     stop_ptr,  # [B] int32: block verification's column j per request (BLOCK only)
     k, vocab, num_rows, chunk_len,
@@ -1021,7 +1067,7 @@ def _race_verify_kernel(
     temperature_stride, min_p_stride, seed_stride, offset_stride,
     HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr,
     WITH_LOGPROBS: tl.constexpr, COUNT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    NUM_STAGES: tl.constexpr, FAST_LOG: tl.constexpr,
+    NUM_STAGES: tl.constexpr, FAST_LOG: tl.constexpr, AT_DRAFT: tl.constexpr,
 ):
     """Verification of request b, chunk c: every program evaluates the k accept tests (from the row statistics and
     one logit each), or with BLOCK reads the stop point of `_block_residual_kernel` and the block weight w_j, and
@@ -1033,9 +1079,9 @@ def _race_verify_kernel(
     num_chunks = tl.num_programs(1)
     (greedy, t, min_e, seed, offset, i, in_k, m, tau, mass, argmax, draft, valid, qm, qtau, qmass, p_x, q_x, u,
      matches) = _accept_tests_tl(b, target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr,
-                                 stats_ptr, k, vocab, num_rows, t_stride_b, t_stride_i, draft_stride_b, q_stride_b,
-                                 q_stride_i, temperature_stride, min_p_stride, seed_stride, offset_stride,
-                                 HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS, BLOCK_K)
+                                 stats_ptr, at_draft_ptr, k, vocab, num_rows, t_stride_b, t_stride_i, draft_stride_b,
+                                 q_stride_b, q_stride_i, temperature_stride, min_p_stride, seed_stride, offset_stride,
+                                 HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS, BLOCK_K, AT_DRAFT)
     t_row = target_ptr + b * t_stride_b
     q_row = q_ptr + b * q_stride_b
     if BLOCK:
@@ -1207,12 +1253,14 @@ def _gather_cap(device, gather_cap):
 
 
 def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_k, top_p, min_p, block_v,
-                    num_chunks, gather_cap, fused_filter=None, chunks_per_program=None):
-    """stats int32 [rows, 4] = (m, tau, S, argmax) of every logit row: target [B, R, V] rows r <= k, then the draft
-    logits [B, k, V] (or None) as rows k+1 .. 2k. The statistics pass, then the filter pass: a launch of its own, or
-    run by each row's last statistics program (fused_filter True; by default, LOGITS_SAMPLING["fused_filter"]: 2
-    fuses when one program covers a row). A filter passed as None is off for every row; with all three None no
-    filter pass runs."""
+                    num_chunks, gather_cap, fused_filter=None, chunks_per_program=None, draft_ids=None,
+                    draft_probs=None):
+    """(stats, at_draft): stats int32 [rows, 4] = (m, tau, S, argmax) of every logit row: target [B, R, V] rows
+    r <= k, then the draft logits [B, k, V] (or None) as rows k+1 .. 2k. The statistics pass, then the filter pass:
+    a launch of its own, or run by each row's last statistics program (fused_filter True; by default,
+    LOGITS_SAMPLING["fused_filter"]: 2 fuses when one program covers a row). A filter passed as None is off for every
+    row; with all three None no filter pass runs, and given the draft ids [B, k] the statistics pass also stores
+    at_draft float32 [rows, 2], the accept tests' p(x_i) and q(x_i) (see `_stats_kernel`); else at_draft is None."""
     geometry = LOGITS_SAMPLING
     batch, _, vocab = target.shape
     device = target.device
@@ -1240,6 +1288,10 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
     if fused_filter is None:
         fused_filter = geometry["fused_filter"] == 1 or (geometry["fused_filter"] == 2 and programs == 1)
     fused_filter = bool(fused_filter) and filter_pass
+    at_draft_given = draft_ids is not None and not filter_pass and bool(geometry["accept_from_statistics"])
+    at_draft = torch.empty((rows, 2), dtype=torch.float32, device=device) if at_draft_given else None
+    draft_ids = draft_ids if at_draft_given else stats  # stand-ins of the pointers' types when unused
+    q = draft_probs if at_draft_given and draft_probs is not None else target
     top_k, top_p, min_p = _given_or_off(top_k, top_p, min_p, batch, device)
     params = (temperature, top_k, top_p, min_p)
     param_strides = (temperature.stride(0), top_k.stride(0), top_p.stride(0), min_p.stride(0))
@@ -1266,13 +1318,16 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
                   SUB_BLOCK=sub_block)
     grid = (rows, programs)
     common = (k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request, *strides, *param_strides)
+    keep_in_l2 = device.type == "cuda" and rows * vocab * target.element_size() <= geometry["stats_keep_in_l2_mb"] << 20
     _stats_kernel[grid](
         target, draft, *params, stats, partial, hist, workspace[rows:], candidates, counts, kept_mass, workspace,
-        submax, subs, *common,
+        submax, subs, draft_ids, q, at_draft if at_draft_given else kept_mass, *common, draft_ids.stride(0),
+        q.stride(0), q.stride(1),
         HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v, BLOCK_V=block_v,
         NUM_STAGES=geometry["stats_num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
         HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
-        **search, num_warps=geometry["stats_num_warps"],
+        KEEP_IN_L2=keep_in_l2, AT_DRAFT=at_draft_given, HAS_DRAFT_PROBS=draft_probs is not None, **search,
+        num_warps=geometry["stats_num_warps"],
         **_register_limit(geometry["filter_maxnreg" if fused_filter else "stats_maxnreg"]),  # fused: the filter's code
     )
     if filter_pass and not fused_filter:
@@ -1281,7 +1336,7 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
             HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["stats_num_stages"], BLOCK_C=block_c,
             **search, num_warps=geometry["stats_num_warps"], **_register_limit(geometry["filter_maxnreg"]),
         )
-    return stats
+    return stats, at_draft
 
 
 def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits, temperature, top_k, top_p, min_p,
@@ -1298,8 +1353,9 @@ def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits,
     has_logits = draft_logits is not None
     has_probs = draft_probs is not None
     num_rows = k + 1 + (k if has_logits else 0)
-    stats = _row_statistics(target_logits, draft_logits, k, num_rows, temperature, top_k, top_p, min_p, block_v,
-                            num_chunks, gather_cap, fused_filter, chunks_per_program)
+    stats, at_draft = _row_statistics(target_logits, draft_logits, k, num_rows, temperature, top_k, top_p, min_p,
+                                      block_v, num_chunks, gather_cap, fused_filter, chunks_per_program,
+                                      draft_token_ids, draft_probs)
     min_p = _given_or_off(top_k, top_p, min_p, batch, device)[2]
     q = draft_probs if has_probs else (draft_logits if has_logits else target_logits)
     q_strides = (q.stride(0), q.stride(1)) if (has_probs or has_logits) else (0, 0)
@@ -1307,25 +1363,26 @@ def _launch_rejection(target_logits, draft_token_ids, draft_probs, draft_logits,
     stop = stats  # a placeholder pointer token-wise
     if block_verification:
         stop = _block_stop(target_logits, draft_token_ids, q, q_strides, temperature, min_p, seeds, offsets, stats,
-                           k, num_rows, has_probs, has_logits, block_v, num_chunks, chunks_per_program)
+                           at_draft, k, num_rows, has_probs, has_logits, block_v, num_chunks, chunks_per_program)
     race_block_v, chunk_len, race_chunks = _plan(batch, vocab, device, block_v, num_chunks)
     workspace = zeroed_scratch(device, 2 * batch)  # per request: the packed race maximum and a ticket
     _race_verify_kernel[(batch, race_chunks)](
         target_logits, draft_token_ids, q, temperature, min_p, seeds, offsets, stats,
-        out, logprobs if with_logprobs else stats, counters if counters is not None else out, workspace, stop,
+        stats if at_draft is None else at_draft, out, logprobs if with_logprobs else stats,
+        counters if counters is not None else out, workspace, stop,
         *common, chunk_len,
         target_logits.stride(0), target_logits.stride(1), draft_token_ids.stride(0), *q_strides,
         temperature.stride(0), min_p.stride(0), seeds.stride(0), offsets.stride(0),
         HAS_DRAFT_PROBS=has_probs, HAS_DRAFT_LOGITS=has_logits, BLOCK=block_verification,
         WITH_LOGPROBS=with_logprobs, COUNT=counters is not None, BLOCK_K=triton.next_power_of_2(k + 1),
-        BLOCK_V=race_block_v, NUM_STAGES=geometry["num_stages"], FAST_LOG=out.is_cuda,
+        BLOCK_V=race_block_v, NUM_STAGES=geometry["num_stages"], FAST_LOG=out.is_cuda, AT_DRAFT=at_draft is not None,
         num_warps=geometry["num_warps"],
     )
     return out, logprobs
 
 
-def _block_stop(target_logits, draft_token_ids, q, q_strides, temperature, min_p, seeds, offsets, stats, k, num_rows,
-                has_probs, has_logits, block_v, num_chunks, chunks_per_program=None):
+def _block_stop(target_logits, draft_token_ids, q, q_strides, temperature, min_p, seeds, offsets, stats, at_draft, k,
+                num_rows, has_probs, has_logits, block_v, num_chunks, chunks_per_program=None):
     """int32 [B]: block verification's column j per request (`_block_residual_kernel` over the k - 1 residual rows,
     fixed-length chunks; a request of k = 1 has no residual row, and its one program only decides)."""
     geometry = LOGITS_SAMPLING
@@ -1341,13 +1398,14 @@ def _block_stop(target_logits, draft_token_ids, q, q_strides, temperature, min_p
     stop = torch.empty((batch,), dtype=torch.int32, device=device)
     partial = torch.empty((batch, k, num_chunks), dtype=torch.float32, device=device)  # rows 1..k-1 (0 unused)
     _block_residual_kernel[(batch, residual_rows, programs)](
-        target_logits, draft_token_ids, q, temperature, min_p, seeds, offsets, stats, partial, stop,
+        target_logits, draft_token_ids, q, temperature, min_p, seeds, offsets, stats,
+        stats if at_draft is None else at_draft, partial, stop,
         zeroed_scratch(device, batch), k, vocab, num_rows, chunk_len, num_chunks, chunks_per_program,
         target_logits.stride(0), target_logits.stride(1), draft_token_ids.stride(0), *q_strides,
         temperature.stride(0), min_p.stride(0), seeds.stride(0), offsets.stride(0),
         HAS_DRAFT_PROBS=has_probs, HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v,
         BLOCK_K=triton.next_power_of_2(k + 1), BLOCK_V=block_v, BLOCK_C=triton.next_power_of_2(num_chunks),
-        NUM_STAGES=geometry["num_stages"], num_warps=geometry["stats_num_warps"],
+        NUM_STAGES=geometry["num_stages"], AT_DRAFT=at_draft is not None, num_warps=geometry["stats_num_warps"],
     )
     return stop
 
@@ -1393,7 +1451,7 @@ def _launch_draft(logits, temperature, top_k, top_p, min_p, seeds, positions, pr
     geometry = LOGITS_SAMPLING
     with_probs = probs is not None
     stats = _row_statistics(logits[:, None], None, 0, 1, temperature, top_k, top_p, min_p, block_v, num_chunks,
-                            gather_cap, fused_filter, chunks_per_program)
+                            gather_cap, fused_filter, chunks_per_program)[0]
     min_p = _given_or_off(top_k, top_p, min_p, rows, logits.device)[2]
     block_v, chunk_len, num_chunks = _plan(rows, vocab, logits.device, block_v, num_chunks)
     workspace = zeroed_scratch(logits.device, 2 * rows)  # per row: the packed race maximum and a ticket
