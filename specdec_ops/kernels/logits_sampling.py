@@ -463,6 +463,21 @@ def _stats_kernel(
     k_on = (top_k > 0) & (top_k < vocab)
     filtered = is_random & (k_on | (top_p < 1.0)) & FILTERS
     row_submax = _sub_block_ptr_tl(submax_ptr, g * num_chunks * chunk_len, SUB_BLOCK)
+    if AT_DRAFT:
+        # Every program loads the row's logit (and q) at its draft token before reading its chunks, so that whichever
+        # program turns out last has them at hand: the loads overlap the chunks' instead of trailing the pass.
+        position = tl.where(r <= k, r, r - k - 1)  # target row r, or draft row r - k - 1; k: the bonus row
+        draft = tl.load(draft_ids_ptr + b * draft_ids_stride + position, mask=position < k, other=-1).to(tl.int64)
+        valid = (draft >= 0) & (draft < vocab)
+        safe = tl.where(valid, draft, 0)
+        if r <= k:
+            x_at = tl.load(target_ptr + b * t_stride_b + r * t_stride_i + safe, mask=valid, other=0.0)
+        else:
+            x_at = tl.load(draft_logits_ptr + b * d_stride_b + position * d_stride_i + safe, mask=valid, other=0.0)
+        q_x = tl.zeros([], tl.float32)
+        if HAS_DRAFT_PROBS:
+            q_x = tl.load(q_ptr + b * q_stride_b + position * q_stride_i + safe, mask=valid & (r < k),
+                          other=0.0).to(tl.float32)
     if r <= k:
         _span_stats_tl(target_ptr + b * t_stride_b + r * t_stride_i, g, c_first, c_last, num_chunks, chunk_len, vocab,
                        t, partial_ptr, hist_ptr, row_submax, filtered, is_random, CHUNK_IS_BLOCK, BLOCK_V, NUM_STAGES,
@@ -519,24 +534,11 @@ def _stats_kernel(
             tau = x_floor.to(tl.int32, bitcast=True)
         _store_stats_tl(stats_ptr + g * 4, m, tau, mass, argmax)
         if AT_DRAFT:
-            position = tl.where(r <= k, r, r - k - 1)  # target row r, or draft row r - k - 1; k: the bonus row
-            if position < k:
-                min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
-                draft = tl.load(draft_ids_ptr + b * draft_ids_stride + position).to(tl.int64)
-                valid = (draft >= 0) & (draft < vocab)
-                safe = tl.where(valid, draft, 0)
-                if r <= k:
-                    row_ptr = target_ptr + b * t_stride_b + r * t_stride_i
-                else:
-                    row_ptr = draft_logits_ptr + b * d_stride_b + position * d_stride_i
-                x_at = tl.load(row_ptr + safe, mask=valid, other=0.0).to(tl.float32)
-                # As _accept_tests_tl computes them from the stored statistics, bit for bit.
-                p_x = tl.where(valid, _prob_tl(x_at, t, m, tau, mass, min_e), 0.0)
-                q_x = tl.zeros([], tl.float32)
-                if HAS_DRAFT_PROBS:
-                    q_x = tl.load(q_ptr + b * q_stride_b + position * q_stride_i + safe, mask=valid & (r < k),
-                                  other=0.0).to(tl.float32)
-                tl.store(at_draft_ptr + g * 2 + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, p_x, q_x))
+            # As _accept_tests_tl computes them from the stored statistics, bit for bit (the bonus row stores none).
+            p_x = tl.where(valid, _prob_tl(x_at.to(tl.float32), t, m, tau, mass,
+                                           _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))), 0.0)
+            tl.store(at_draft_ptr + g * 2 + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, p_x, q_x),
+                     mask=tl.zeros([2], tl.int32) + position < k)
         if FUSED_FILTER:
             tl.debug_barrier()  # the statistics are stored before the filter pass reads them
             min_e = _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))
