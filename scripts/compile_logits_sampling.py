@@ -207,6 +207,11 @@ def main() -> int:
         ok &= compile_variant(kernels._stats_kernel, constexprs,
                               f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused}, "
                               f"chunk_is_block={chunk_is_block}, filters={filters})", STATS_POINTERS)
+    # No filter pass (AT_DRAFT) with draft logits of another dtype than the target's: the row's logit at its draft
+    # token loads from either tensor.
+    ok &= compile_variant(kernels._stats_kernel, stats_pass_constexprs(True, False, True, False),
+                          "_stats_kernel(draft_logits=float32 beside bf16 target, filters=None)",
+                          {**STATS_POINTERS, "draft_logits_ptr": "*fp32"})
     for has_draft_logits in (False, True):
         ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass},
                               f"_filter_kernel(draft_logits={has_draft_logits})")

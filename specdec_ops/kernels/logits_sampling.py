@@ -470,10 +470,11 @@ def _stats_kernel(
         draft = tl.load(draft_ids_ptr + b * draft_ids_stride + position, mask=position < k, other=-1).to(tl.int64)
         valid = (draft >= 0) & (draft < vocab)
         safe = tl.where(valid, draft, 0)
-        if r <= k:
-            x_at = tl.load(target_ptr + b * t_stride_b + r * t_stride_i + safe, mask=valid, other=0.0)
+        if r <= k:  # (the draft logits' dtype may differ from the target's)
+            x_at = tl.load(target_ptr + b * t_stride_b + r * t_stride_i + safe, mask=valid, other=0.0).to(tl.float32)
         else:
-            x_at = tl.load(draft_logits_ptr + b * d_stride_b + position * d_stride_i + safe, mask=valid, other=0.0)
+            x_at = tl.load(draft_logits_ptr + b * d_stride_b + position * d_stride_i + safe, mask=valid,
+                           other=0.0).to(tl.float32)
         q_x = tl.zeros([], tl.float32)
         if HAS_DRAFT_PROBS:
             q_x = tl.load(q_ptr + b * q_stride_b + position * q_stride_i + safe, mask=valid & (r < k),
@@ -535,7 +536,7 @@ def _stats_kernel(
         _store_stats_tl(stats_ptr + g * 4, m, tau, mass, argmax)
         if AT_DRAFT:
             # As _accept_tests_tl computes them from the stored statistics, bit for bit (the bonus row stores none).
-            p_x = tl.where(valid, _prob_tl(x_at.to(tl.float32), t, m, tau, mass,
+            p_x = tl.where(valid, _prob_tl(x_at, t, m, tau, mass,
                                            _min_e_tl(tl.load(min_p_ptr + b * min_p_stride))), 0.0)
             tl.store(at_draft_ptr + g * 2 + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, p_x, q_x),
                      mask=tl.zeros([2], tl.int32) + position < k)
