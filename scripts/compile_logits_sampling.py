@@ -212,6 +212,10 @@ def main() -> int:
     ok &= compile_variant(kernels._stats_kernel, stats_pass_constexprs(True, False, True, False),
                           "_stats_kernel(draft_logits=float32 beside bf16 target, filters=None)",
                           {**STATS_POINTERS, "draft_logits_ptr": "*fp32"})
+    # The rows loaded with L2's evict_last hint (geometry stats_keep_in_l2_mb).
+    ok &= compile_variant(kernels._stats_kernel,
+                          {**stats_pass_constexprs(False, False, True, False), "KEEP_IN_L2": True},
+                          "_stats_kernel(keep_in_l2=True, filters=None)", STATS_POINTERS)
     for has_draft_logits in (False, True):
         ok &= compile_variant(kernels._filter_kernel, {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass},
                               f"_filter_kernel(draft_logits={has_draft_logits})")

@@ -1072,7 +1072,8 @@ def test_triton_accept_tests_from_the_statistics_pass(draft, monkeypatch):
     the verification kernels read them there (AT_DRAFT); with min_p given as zeros a filter pass runs and they
     compute both from the logits themselves. Tokens, logprobs and counters are bit for bit the same either way:
     mixed greedy and random rows, draft ids outside [0, V), token-wise and block verification, rows of one and of
-    several chunks."""
+    several chunks. (geometry accept_from_statistics turns the first form on.)"""
+    monkeypatch.setitem(kernels.LOGITS_SAMPLING, "accept_from_statistics", 1)
     launched = []
     for name in ("_race_verify_kernel", "_block_residual_kernel"):
         kernel = getattr(kernels, name)
@@ -1506,7 +1507,7 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(": ok (") == 36, result.stdout
+    assert result.stdout.count(": ok (") == 37, result.stdout
     # Both forms of the filter pass's gather (the default geometry compiles one), and its gather from sub-block
     # maxima, compile and disassemble.
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py"), "--gather-loop"],

@@ -63,12 +63,13 @@ LOGITS_SAMPLING = dict(
     # filtered, B = 64: 1 took 42.1 against 42.6 us with draft probabilities but 71.9 against 65.0 with draft logits.
     stats_num_stages=3,
     # The statistics pass loads its rows with L2's evict_last policy when they are at most this many MiB (0: never),
-    # so that the race pass finds its row j still in L2.
+    # so that the race pass finds its row j still in L2. Not yet timed on a GPU (RESULTS.md, twenty-seventh session).
     stats_keep_in_l2_mb=0,
     # 1: with no filter pass, the statistics pass's last program of each row also stores p(x_i) (and q(x_i)) at the
     # row's draft token, so that the race pass reads them with the row statistics instead of a dependent load of the
-    # logits there before it can start (0: the race computes them).
-    accept_from_statistics=1,
+    # logits there before it can start (0: the race computes them, as before). Tested in the interpreter and compiled
+    # for sm_90, but not yet run or timed on a GPU, so off until a device call measures it (RESULTS.md).
+    accept_from_statistics=0,
     stats_programs_per_sm=8,  # 4 or 2: slower at B = 64 (one program per row); 16: within 1 us either way
     interpreter_stats_chunk=64,  # TRITON_INTERPRET: short, so that CPU tests with small blocks split their rows
     hist_bins=64,
