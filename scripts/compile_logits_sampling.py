@@ -91,12 +91,13 @@ def row_pass_constexprs(gather_run) -> dict:
 STATS_POINTERS = {"kept_mass_ptr": "*fp32", "ticket_ptr": "*i64", "draft_ids_ptr": "*i64", "at_draft_ptr": "*fp32"}
 
 
-def stats_pass_constexprs(has_draft_logits, fused, chunk_is_block, filters) -> dict:
-    """The statistics pass's constexprs, as the GPU launches it (row_pass_constexprs with the default gather)."""
+def stats_pass_constexprs(has_draft_logits, fused, chunk_is_block, filters, at_draft=False) -> dict:
+    """The statistics pass's constexprs, as the GPU launches it (row_pass_constexprs with the default gather);
+    at_draft: the accept tests' values stored too (no filter pass), with draft probabilities unless draft logits."""
     return {"HAS_DRAFT_LOGITS": has_draft_logits, **row_pass_constexprs(GEOMETRY["gather_run"]),
             "CHUNK_IS_BLOCK": chunk_is_block, "NUM_BINS": GEOMETRY["hist_bins"], "BIN_SCALE": GEOMETRY["bin_scale"],
             "HIST_GROUP": GEOMETRY["hist_group"], "FUSED_FILTER": fused, "FILTERS": filters, "KEEP_IN_L2": False,
-            "AT_DRAFT": not filters and not fused, "HAS_DRAFT_PROBS": not has_draft_logits}
+            "AT_DRAFT": at_draft, "HAS_DRAFT_PROBS": at_draft and not has_draft_logits}
 
 
 # The sub-block size the compile check and --gather-loop use if the geometry's sub_block is 0 (off).
@@ -207,10 +208,13 @@ def main() -> int:
         ok &= compile_variant(kernels._stats_kernel, constexprs,
                               f"_stats_kernel(draft_logits={has_draft_logits}, fused_filter={fused}, "
                               f"chunk_is_block={chunk_is_block}, filters={filters})", STATS_POINTERS)
-    # No filter pass (AT_DRAFT) with draft logits of another dtype than the target's: the row's logit at its draft
-    # token loads from either tensor.
-    ok &= compile_variant(kernels._stats_kernel, stats_pass_constexprs(True, False, True, False),
-                          "_stats_kernel(draft_logits=float32 beside bf16 target, filters=None)",
+    # The accept tests' values stored by the statistics pass (AT_DRAFT, no filter pass, geometry
+    # accept_from_statistics): with draft probabilities, and with draft logits of another dtype than the target's (the
+    # row's logit at its draft token loads from either tensor).
+    ok &= compile_variant(kernels._stats_kernel, stats_pass_constexprs(False, False, True, False, at_draft=True),
+                          "_stats_kernel(draft_probs, filters=None, at_draft=True)", STATS_POINTERS)
+    ok &= compile_variant(kernels._stats_kernel, stats_pass_constexprs(True, False, True, False, at_draft=True),
+                          "_stats_kernel(draft_logits=float32 beside bf16 target, filters=None, at_draft=True)",
                           {**STATS_POINTERS, "draft_logits_ptr": "*fp32"})
     # The rows loaded with L2's evict_last hint (geometry stats_keep_in_l2_mb).
     ok &= compile_variant(kernels._stats_kernel,

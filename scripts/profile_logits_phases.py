@@ -185,9 +185,10 @@ def _smid():
     STATS_TIMER = torch.zeros((rows, programs, 6), dtype=torch.int64, device=device)
     common = (k, vocab,"""),
     ("""\
-        KEEP_IN_L2=keep_in_l2, AT_DRAFT=at_draft_given, HAS_DRAFT_PROBS=draft_probs is not None, **search,""",
+        KEEP_IN_L2=keep_in_l2, AT_DRAFT=at_draft_given, HAS_DRAFT_PROBS=at_draft_given and draft_probs is not None,
+        **search,""",
      """\
-        KEEP_IN_L2=keep_in_l2, AT_DRAFT=at_draft_given, HAS_DRAFT_PROBS=draft_probs is not None,
+        KEEP_IN_L2=keep_in_l2, AT_DRAFT=at_draft_given, HAS_DRAFT_PROBS=at_draft_given and draft_probs is not None,
         stats_timer_ptr=STATS_TIMER, **search,"""),
     ("""\
             HAS_DRAFT_LOGITS=has_logits, BLOCK_V=block_v, NUM_STAGES=geometry["stats_num_stages"], BLOCK_C=block_c,

@@ -1104,6 +1104,56 @@ def test_triton_accept_tests_from_the_statistics_pass(draft, monkeypatch):
             assert torch.equal(got[0], reference(with_none, block))
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("draft,dtype,ids", [("logits", torch.float32, torch.int64),
+                                             ("probs", torch.float32, torch.int64),
+                                             ("none", torch.float32, torch.int32),
+                                             ("logits", torch.float16, torch.int32)])
+def test_triton_statistics_pass_stores_the_accept_tests_values(draft, dtype, ids, monkeypatch):
+    """The p(x_i) and q(x_i) the statistics pass stores (AT_DRAFT) equal, bit for bit, what `_accept_tests_tl`
+    computes from the row statistics and the logits at the draft tokens: both forms of the accept tests run on the
+    same statistics. Greedy rows, invalid draft ids, int32 ids, float16 target logits beside float32 draft logits."""
+
+    @triton.jit
+    def accept_values(target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr, stats_ptr,
+                      at_draft_ptr, out_ptr, k, vocab, num_rows, t_stride_b, t_stride_i, draft_stride_b, q_stride_b,
+                      q_stride_i, HAS_DRAFT_PROBS: tl.constexpr, HAS_DRAFT_LOGITS: tl.constexpr,
+                      BLOCK_K: tl.constexpr, AT_DRAFT: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        (_, _, _, _, _, i, in_k, _, _, _, _, _, _, _, _, _, p_x, q_x, _, _) = kernels._accept_tests_tl(
+            b, target_ptr, draft_ptr, q_ptr, temperature_ptr, min_p_ptr, seed_ptr, offset_ptr, stats_ptr,
+            at_draft_ptr, k, vocab, num_rows, t_stride_b, t_stride_i, draft_stride_b, q_stride_b, q_stride_i, 1, 0,
+            1, 1, HAS_DRAFT_PROBS, HAS_DRAFT_LOGITS, BLOCK_K, AT_DRAFT)
+        tl.store(out_ptr + (b * BLOCK_K + i) * 2, p_x, mask=in_k)
+        tl.store(out_ptr + (b * BLOCK_K + i) * 2 + 1, q_x, mask=in_k)
+
+    monkeypatch.setitem(kernels.LOGITS_SAMPLING, "accept_from_statistics", 1)
+    device = "cuda" if HAS_CUDA else "cpu"
+    batch, k, vocab = 6, 3, 70
+    args = list(make_case(67, batch, k, vocab, params="mixed", draft=draft, token_dtype=ids))
+    args[4] = torch.tensor([0.0, 0.8, 1.3, 0.0, 1.0, 0.6])  # greedy rows 0 and 3
+    target, draft_ids, draft_probs, draft_logits, temperature = (None if a is None else a.to(device)
+                                                                  for a in args[:5])
+    target = target.to(dtype)
+    num_rows = k + 1 + (k if draft_logits is not None else 0)
+    stats, at_draft = kernels._row_statistics(target, draft_logits, k, num_rows, temperature, None, None, None, 16,
+                                              None, None, draft_ids=draft_ids, draft_probs=draft_probs)
+    assert at_draft is not None
+    q = draft_probs if draft_probs is not None else (draft_logits if draft_logits is not None else target)
+    min_p = torch.zeros(batch, device=device)
+    values = {}
+    for from_statistics in (False, True):
+        out = torch.full((batch, 4, 2), float("nan"), device=device)
+        accept_values[(batch,)](target, draft_ids, q, temperature, min_p, args[8].to(device), args[9].to(device),
+                                stats, at_draft, out, k, vocab, num_rows, target.stride(0), target.stride(1),
+                                draft_ids.stride(0), q.stride(0), q.stride(1),
+                                HAS_DRAFT_PROBS=draft_probs is not None, HAS_DRAFT_LOGITS=draft_logits is not None,
+                                BLOCK_K=4, AT_DRAFT=from_statistics)
+        values[from_statistics] = out[:, :k].cpu()
+    assert torch.equal(values[True].view(torch.int32), values[False].view(torch.int32)), values
+    assert (values[False][..., 0] > 0).any() and (values[False][..., 0] == 0).any()  # real and invalid positions
+
+
 @pytest.mark.parametrize("kernel", DRAFT_KERNELS)
 @pytest.mark.parametrize("case", list(NONE_CASES))
 def test_sample_draft_filtered_filters_given_as_none_are_off(kernel, case):
@@ -1507,7 +1557,7 @@ def test_kernels_compile_for_sm90():
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(": ok (") == 37, result.stdout
+    assert result.stdout.count(": ok (") == 38, result.stdout
     # Both forms of the filter pass's gather (the default geometry compiles one), and its gather from sub-block
     # maxima, compile and disassemble.
     result = subprocess.run([sys.executable, str(root / "scripts" / "compile_logits_sampling.py"), "--gather-loop"],

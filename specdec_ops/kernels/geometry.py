@@ -63,7 +63,8 @@ LOGITS_SAMPLING = dict(
     # filtered, B = 64: 1 took 42.1 against 42.6 us with draft probabilities but 71.9 against 65.0 with draft logits.
     stats_num_stages=3,
     # The statistics pass loads its rows with L2's evict_last policy when they are at most this many MiB (0: never),
-    # so that the race pass finds its row j still in L2. Not yet timed on a GPU (RESULTS.md, twenty-seventh session).
+    # so that the race pass finds its row j still in L2 (one-block chunks, the GPU's; longer ones load as before).
+    # Not yet timed on a GPU (RESULTS.md, twenty-seventh session).
     stats_keep_in_l2_mb=0,
     # 1: with no filter pass, the statistics pass's last program of each row also stores p(x_i) (and q(x_i)) at the
     # row's draft token, so that the race pass reads them with the row statistics instead of a dependent load of the

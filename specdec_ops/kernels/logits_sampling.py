@@ -1321,7 +1321,9 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
                   SUB_BLOCK=sub_block)
     grid = (rows, programs)
     common = (k, vocab, chunk_len, num_chunks, chunks_per_program, rows_per_request, *strides, *param_strides)
-    keep_in_l2 = device.type == "cuda" and rows * vocab * target.element_size() <= geometry["stats_keep_in_l2_mb"] << 20
+    row_bytes = batch * vocab * (target.shape[1] * target.element_size()
+                                 + (draft_logits.shape[1] * draft_logits.element_size() if has_logits else 0))
+    keep_in_l2 = device.type == "cuda" and row_bytes <= geometry["stats_keep_in_l2_mb"] << 20
     _stats_kernel[grid](
         target, draft, *params, stats, partial, hist, workspace[rows:], candidates, counts, kept_mass, workspace,
         submax, subs, draft_ids, q, at_draft if at_draft_given else kept_mass, *common, draft_ids.stride(0),
@@ -1329,7 +1331,8 @@ def _row_statistics(target, draft_logits, k, rows_per_request, temperature, top_
         HAS_DRAFT_LOGITS=has_logits, CHUNK_IS_BLOCK=chunk_len == block_v, BLOCK_V=block_v,
         NUM_STAGES=geometry["stats_num_stages"], NUM_BINS=geometry["hist_bins"], BIN_SCALE=geometry["bin_scale"],
         HIST_GROUP=min(geometry["hist_group"], block_v), BLOCK_C=block_c, FUSED_FILTER=fused_filter, FILTERS=filters,
-        KEEP_IN_L2=keep_in_l2, AT_DRAFT=at_draft_given, HAS_DRAFT_PROBS=draft_probs is not None, **search,
+        KEEP_IN_L2=keep_in_l2, AT_DRAFT=at_draft_given, HAS_DRAFT_PROBS=at_draft_given and draft_probs is not None,
+        **search,
         num_warps=geometry["stats_num_warps"],
         **_register_limit(geometry["filter_maxnreg" if fused_filter else "stats_maxnreg"]),  # fused: the filter's code
     )
