@@ -24,8 +24,8 @@ On CUDA the time is GPU microseconds per call from replays of a CUDA graph of 10
 counts its float32 q). "x read" is the time over a measured read of the same inputs on the same GPU (``torch.amax``
 of each input, which streams it once: the floor as this GPU reaches it, launches included), so that a run on a GPU
 slower than the floor's 4.3 TB/s (an H100) still says how far from its own memory the op is. On CPU (``--device
-cpu``) the time is host wall-clock per call, smaller sizes, for a smoke
-run of the script itself; the floor column is then omitted.
+cpu``) the time is host wall-clock per call, smaller sizes, for a smoke run of the script itself; the floor and read
+columns are then omitted.
 
     python scripts/bench_logits_sampling.py [--quick] [--device cuda|cpu] [--geometry block_v=2048,num_warps=8]
 
